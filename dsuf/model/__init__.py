@@ -1,0 +1,1 @@
+"""Model core: config, checkpoint loading, quantisation codecs, the reference forward pass."""
