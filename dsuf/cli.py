@@ -1,0 +1,137 @@
+"""The `dsuf` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _tokens(text: str) -> torch.Tensor:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise SystemExit(f"dsuf: --tokens expects comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise SystemExit("dsuf: --tokens is empty")
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def _load(ckpt: str):
+    from dsuf.model import load_model
+
+    model = load_model(ckpt)
+    return model
+
+
+def _check_vocab(tokens: torch.Tensor, vocab: int) -> None:
+    bad = tokens[(tokens < 0) | (tokens >= vocab)]
+    if bad.numel():
+        raise SystemExit(f"dsuf: token id {int(bad[0])} is outside the vocabulary [0, {vocab})")
+
+
+def run_logits(model, tokens: torch.Tensor, mode: str, chunk: int, num) -> torch.Tensor:
+    """Logits of every position, computed by prefill in one piece, in chunks, or token by token."""
+    state = model.new_state(num)
+    step = {"prefill": tokens.shape[0], "chunked": chunk, "decode": 1}[mode]
+    return torch.cat([model.forward(tokens[i : i + step], state, num) for i in range(0, tokens.shape[0], step)])
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> None:
+    from dsuf.model.tiny import make_tiny, parse_overrides
+
+    config = make_tiny(args.out, family=args.family, seed=args.seed, overrides=parse_overrides(args.set), plain=args.plain)
+    kinds = [config.layer_kind(i) for i in range(config.n_layers)]
+    print(f"wrote {args.out}: {config.n_layers} layers {kinds}, vocab {config.vocab_size}, dim {config.dim}")
+
+
+def cmd_logits(args: argparse.Namespace) -> None:
+    from dsuf.model.layers import Numerics
+
+    num = Numerics.parse(args.numerics, args.dtype)
+    model = _load(args.ckpt)
+    tokens = _tokens(args.tokens)
+    _check_vocab(tokens, model.config.vocab_size)
+    if args.chunk < 1:
+        raise SystemExit("dsuf: --chunk must be at least 1")
+    began = time.perf_counter()
+    logits = run_logits(model, tokens, args.mode, args.chunk, num)
+    elapsed = time.perf_counter() - began
+    np.save(args.out, logits.float().numpy())
+    print(f"wrote {args.out}: logits [{logits.shape[0]}, {logits.shape[1]}] ({args.mode}, {args.numerics}, {elapsed:.3f} s)")
+
+
+def greedy(model, prompt: torch.Tensor, max_new: int, num) -> list[int]:
+    """Greedy decoding: prefill the prompt, then feed back the argmax one token at a time."""
+    state = model.new_state(num)
+    logits = model.forward(prompt, state, num)
+    out: list[int] = []
+    for _ in range(max_new):
+        token = int(logits[-1].argmax())
+        out.append(token)
+        if token == model.config.eos_token_id:
+            break
+        logits = model.forward(torch.tensor([token]), state, num)
+    return out
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from dsuf.model.layers import Numerics
+
+    num = Numerics.parse(args.numerics, args.dtype)
+    model = _load(args.ckpt)
+    tokens = _tokens(args.tokens)
+    _check_vocab(tokens, model.config.vocab_size)
+    print(",".join(str(t) for t in greedy(model, tokens, args.max_new, num)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsuf", description="DeepSeek Ultrafast inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-tiny", help="write a tiny random checkpoint in the released layout")
+    p.add_argument("--family", default="v4", help="v4 or v4-0731")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config.json key (JSON value)")
+    p.add_argument("--plain", action="store_true", help="write dequantised BF16 weights without quantization_config")
+    p.set_defaults(func=cmd_make_tiny)
+
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--ckpt", required=True, help="checkpoint folder")
+        p.add_argument("--tokens", required=True, help="comma-separated token ids")
+        p.add_argument("--numerics", default="reference", choices=["exact", "reference"])
+        p.add_argument("--dtype", choices=["float32", "bfloat16"], help="activation dtype (default: bfloat16 for reference, float32 for exact)")
+
+    p = sub.add_parser("logits", help="write the float32 logits of every position to a .npy file")
+    model_args(p)
+    p.add_argument("--mode", default="prefill", choices=["prefill", "chunked", "decode"])
+    p.add_argument("--chunk", type=int, default=3, help="chunk size for --mode chunked")
+    p.add_argument("--out", required=True, help="output .npy file, shape [T, vocab]")
+    p.set_defaults(func=cmd_logits)
+
+    p = sub.add_parser("generate", help="greedy generation; prints the new token ids")
+    model_args(p)
+    p.add_argument("--max-new", type=int, default=32)
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    from dsuf.model.checkpoint import CheckpointError
+    from dsuf.model.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as exc:
+        print(f"dsuf: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""Tiny random checkpoints in exactly the released layout, for tests and the embedded default model.
+
+`make_tiny(out, family, seed, overrides)` writes `config.json` (official keys), `inference/config.json`,
+`model.safetensors.index.json` and several shards with native names and the released dtypes:
+FP8 e4m3 weights with E8M0 block scales, FP4 e2m1 experts packed in I8 with E8M0 per-32 scales,
+BF16, F32 and I64. `plain=True` writes the same model (bit for bit the dequantised weights) as BF16
+without `quantization_config`, which is what transformers loads on a CPU.
+
+The default structure exercises every V4 layer kind: [SWA, SWA, CSA, HCA, CSA, HCA] with HCA
+ratio 8, two hash-routed layers, 8 experts, window 8 and indexer top-k 4, plus one MTP layer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from . import quant
+from .checkpoint import checkpoint_schema
+from .config import ModelConfig, parse_config
+
+V4_TINY: dict[str, Any] = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "expert_dtype": "fp4",
+    "hc_eps": 1e-06,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 128,
+    "index_head_dim": 128,
+    "index_n_heads": 8,
+    "index_topk": 4,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 1048576,
+    "model_type": "deepseek_v4",
+    "moe_intermediate_size": 128,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 4,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 6,
+    "num_hash_layers": 2,
+    "num_key_value_heads": 1,
+    "num_nextn_predict_layers": 1,
+    "o_groups": 2,
+    "o_lora_rank": 128,
+    "q_lora_rank": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "sliding_window": 8,
+    "swiglu_limit": 10.0,
+    "tie_word_embeddings": False,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.57.1",
+    "use_cache": True,
+    "vocab_size": 129280,
+    "compress_rope_theta": 160000,
+    "compress_ratios": [0, 0, 4, 8, 4, 8, 0],
+}
+
+# V4-Flash-0731 adds DSpark draft heads (three stages in the checkpoint).
+V4_0731_EXTRA: dict[str, Any] = {
+    "compress_ratios": [0, 0, 4, 8, 4, 8, 0, 0, 0],
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [3, 4, 5],
+    "dspark_markov_rank": 16,
+}
+
+FAMILIES = {"v4": V4_TINY, "v4-0731": V4_TINY | V4_0731_EXTRA}
+
+
+def tiny_config_dict(family: str = "v4", overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    raw = json.loads(json.dumps(FAMILIES[family]))
+    for key, value in (overrides or {}).items():
+        raw[key] = value
+    if raw.get("quantization_config") is None:
+        raw.pop("quantization_config", None)
+    return raw
+
+
+def _master(name: str, shape: tuple[int, ...], c: ModelConfig, g: torch.Generator) -> torch.Tensor:
+    """A float32 random tensor with a scale that keeps activations O(1) through the stack."""
+
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=g) * std
+
+    leaf = name.rsplit(".", 1)[-1]
+    if name == "embed.weight":
+        return normal(1.0)
+    if name.endswith("norm.weight"):
+        return 1.0 + normal(0.1)
+    if leaf.endswith("_fn"):
+        return normal(shape[-1] ** -0.5)
+    if leaf.endswith("_base"):
+        return normal(0.5)
+    if leaf.endswith("_scale"):
+        return 0.5 + torch.rand(shape, generator=g)
+    if leaf == "attn_sink":
+        return normal(1.0)
+    if leaf == "ape":
+        return normal(0.5)
+    if name.endswith("gate.bias"):
+        return normal(0.1)
+    return normal(shape[-1] ** -0.5)  # a linear layer's [out, in] weight
+
+
+def _tid2eid(shape: tuple[int, ...], g: torch.Generator, n_experts: int) -> torch.Tensor:
+    """Each token id gets k distinct experts, as a hash-routing table does."""
+    return torch.rand(shape[0], n_experts, generator=g).argsort(dim=-1)[:, : shape[1]].to(torch.int64)
+
+
+def random_tensors(c: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint schema, random, in their storage dtypes."""
+    g = torch.Generator().manual_seed(seed)
+    schema = checkpoint_schema(c)
+    out: dict[str, torch.Tensor] = {}
+    for name, spec in schema.items():
+        if spec.dtype == "F8_E8M0":
+            continue  # written together with its weight
+        if spec.dtype == "I64":
+            out[name] = _tid2eid(spec.shape, g, c.n_routed_experts)
+            continue
+        scale_name = name.removesuffix(".weight") + ".scale"
+        if spec.dtype == "F8_E4M3":
+            w, s = quant.quant_fp8_weight(_master(name, spec.shape, c, g), c.quant.weight_block)
+            out[name], out[scale_name] = w, s
+        elif spec.dtype == "I8":
+            logical = (spec.shape[0], spec.shape[1] * 2)
+            w, s = quant.quant_fp4_weight(_master(name, logical, c, g), c.quant.fp4_block)
+            out[name], out[scale_name] = w, s
+        else:
+            value = _master(name, spec.shape, c, g)
+            out[name] = value.to(torch.bfloat16 if spec.dtype == "BF16" else torch.float32)
+    return out
+
+
+def dequantize_tensors(tensors: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
+    """The same model with every FP8/FP4 weight expanded (exactly) to BF16 and no scales."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith(".scale"):
+            continue
+        scale = tensors.get(name.removesuffix(".weight") + ".scale") if name.endswith(".weight") else None
+        if scale is not None and t.dtype == torch.float8_e4m3fn:
+            t = quant.dequant_fp8_weight(t, scale, c.quant.weight_block).to(torch.bfloat16)
+        elif scale is not None and t.dtype == torch.int8:
+            t = quant.dequant_fp4_weight(t, scale, c.quant.fp4_block).to(torch.bfloat16)
+        out[name] = t
+    return out
+
+
+def _shard_of(name: str, c: ModelConfig) -> int:
+    """Globals in shard 0, layers spread over shards 1..3, MTP/DSpark in the last."""
+    if name.startswith("layers."):
+        layer = int(name.split(".")[1])
+        return 1 + layer * 3 // max(c.n_layers, 1)
+    if name.startswith("mtp."):
+        return 4
+    return 0
+
+
+def _inference_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The reference's flat `inference/config.json` for the same model."""
+    rope = raw.get("rope_scaling") or {}
+    ref = {
+        "vocab_size": raw["vocab_size"], "dim": raw["hidden_size"], "moe_inter_dim": raw["moe_intermediate_size"],
+        "n_layers": raw["num_hidden_layers"], "n_hash_layers": raw["num_hash_layers"],
+        "n_heads": raw["num_attention_heads"], "n_routed_experts": raw["n_routed_experts"],
+        "n_shared_experts": raw["n_shared_experts"], "n_activated_experts": raw["num_experts_per_tok"],
+        "score_func": raw["scoring_func"], "route_scale": raw["routed_scaling_factor"],
+        "swiglu_limit": raw["swiglu_limit"], "q_lora_rank": raw["q_lora_rank"], "head_dim": raw["head_dim"],
+        "rope_head_dim": raw["qk_rope_head_dim"], "o_groups": raw["o_groups"], "o_lora_rank": raw["o_lora_rank"],
+        "window_size": raw["sliding_window"], "original_seq_len": rope.get("original_max_position_embeddings", 0),
+        "rope_theta": raw["rope_theta"], "rope_factor": rope.get("factor", 1),
+        "beta_fast": rope.get("beta_fast", 32), "beta_slow": rope.get("beta_slow", 1),
+        "index_n_heads": raw["index_n_heads"], "index_head_dim": raw["index_head_dim"],
+        "index_topk": raw["index_topk"], "hc_mult": raw["hc_mult"], "hc_sinkhorn_iters": raw["hc_sinkhorn_iters"],
+        "dtype": "fp8" if "quantization_config" in raw else "bf16",
+        "compress_rope_theta": raw["compress_rope_theta"], "compress_ratios": raw["compress_ratios"],
+    }
+    if "quantization_config" in raw:
+        ref |= {"scale_fmt": "ue8m0", "expert_dtype": raw.get("expert_dtype", "fp4")}
+    return ref
+
+
+def write_checkpoint(out: Path, raw: dict[str, Any], tensors: dict[str, torch.Tensor], c: ModelConfig) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (out / "inference").mkdir(exist_ok=True)
+    (out / "inference" / "config.json").write_text(json.dumps(_inference_config(raw), indent=4) + "\n")
+    shards: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        shards.setdefault(_shard_of(name, c), {})[name] = t.contiguous()
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, (_, group) in enumerate(sorted(shards.items())):
+        file = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        save_file(group, str(out / file), metadata={"format": "pt"})
+        for name, t in group.items():
+            weight_map[name] = file
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def make_tiny(
+    out: str | Path,
+    family: str = "v4",
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
+    plain: bool = False,
+) -> ModelConfig:
+    """Write a tiny random checkpoint; `plain` writes the dequantised BF16 twin of the same seed."""
+    raw = tiny_config_dict(family, overrides)
+    quantized = parse_config(raw)
+    if quantized.quant is None:
+        plain = True
+    tensors = random_tensors(quantized, seed)
+    if plain and quantized.quant is not None:
+        tensors = dequantize_tensors(tensors, quantized)
+        raw.pop("quantization_config")
+    config = parse_config(raw)
+    write_checkpoint(Path(out), raw, tensors, config)
+    return config
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`key=value` pairs from the command line; values are JSON where they parse as JSON."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return overrides
