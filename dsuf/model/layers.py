@@ -1,11 +1,16 @@
 """Building blocks shared by the DeepSeek model families, written for the reference path.
 
-Weights are held dequantised in float32 (FP8/FP4 values times power-of-two scales are exact in
-float32), so one loaded model can run either numerics mode:
+Weights are held dequantised (FP8/FP4 values times power-of-two scales are exact in any float
+format), so one loaded model can run either numerics mode:
 
 - `exact`: no activation quantisation and no KV fake-quants; activations in the chosen dtype.
 - `reference`: DeepSeek's numerics — per-block FP8 activation quantisation before FP8/FP4 linears
   (W8A8/W4A8 with fp32 accumulation and bf16 output), fake-quantised caches, bf16 between modules.
+
+Batch invariance: every reduction (matmuls, norms, softmax sums) accumulates in float64 and is
+rounded to float32 where the reference holds an fp32 value. A row's result then no longer depends
+on how many other rows share the call, so prefill, chunked prefill and decode give the same
+numbers, and FP8 rounding cannot amplify accumulation-order noise into different outputs.
 """
 
 from __future__ import annotations
@@ -20,6 +25,12 @@ import torch.nn.functional as F
 from . import quant
 
 NumericsMode = Literal["exact", "reference"]
+ACC = torch.float64  # accumulation dtype of the reference path (see the module docstring)
+
+
+def acc_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ wᵀ accumulated in float64 (w already float64), rounded to float32."""
+    return F.linear(x.to(ACC), w).float()
 
 
 @dataclass(frozen=True)
@@ -44,11 +55,12 @@ class Numerics:
 
 
 class Linear:
-    """y = x Wᵀ with W kept in float32; in reference mode the input is FP8-quantised per block
-    first when the checkpoint stores W in FP8/FP4 (`act_block` set), as DeepSeek's kernels do."""
+    """y = x Wᵀ (fp32 result, rounded to the output dtype); in reference mode the input is
+    FP8-quantised per block first when the checkpoint stores W in FP8/FP4 (`act_block` set), as
+    DeepSeek's kernels do."""
 
     def __init__(self, weight: torch.Tensor, act_block: int | None = None) -> None:
-        self.weight = weight.float()
+        self.weight = weight.to(ACC)
         self.act_block = act_block
 
     @property
@@ -58,14 +70,14 @@ class Linear:
     def __call__(self, x: torch.Tensor, num: Numerics, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if num.quantize and self.act_block:
             x = quant.act_quant_fp8(x, self.act_block)
-        return F.linear(x.float(), self.weight).to(out_dtype or num.dtype)
+        return acc_matmul(x, self.weight).to(out_dtype or num.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm in float32, weight applied in float32, result in x's dtype."""
     dtype = x.dtype
     x = x.float()
-    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    x = x * torch.rsqrt(x.to(ACC).square().mean(-1, keepdim=True) + eps).float()
     if weight is not None:
         x = weight * x
     return x.to(dtype)
@@ -125,9 +137,9 @@ class HyperConnection:
 
     def mixes(self, x: torch.Tensor, norm_eps: float) -> torch.Tensor:
         """x [T, n, D] → [T, (2+n)·n]: one RMS statistic over all n·D values, matmul first."""
-        flat = x.flatten(1).float()
+        flat = x.flatten(1).to(ACC)
         rsqrt = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-        return F.linear(flat, self.fn) * rsqrt
+        return (F.linear(flat, self.fn.to(ACC)).float() * rsqrt.float())
 
     def coefficients(
         self, x: torch.Tensor, norm_eps: float, hc_eps: float, iters: int
@@ -138,23 +150,23 @@ class HyperConnection:
         pre = torch.sigmoid(mix[:, :n] * self.scale[0] + self.base[:n]) + hc_eps
         post = 2 * torch.sigmoid(mix[:, n : 2 * n] * self.scale[1] + self.base[n : 2 * n])
         logits = (mix[:, 2 * n :] * self.scale[2] + self.base[2 * n :]).view(-1, n, n)
-        comb = torch.softmax(logits, dim=-1) + hc_eps
+        comb = torch.softmax(logits.to(ACC), dim=-1) + hc_eps
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
         for _ in range(iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-        return pre, post, comb
+        return pre, post, comb.float()
 
 
 def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """y = Σ_i pre_i · X_i in float32, cast to the stream dtype."""
-    return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
+    return (pre.unsqueeze(-1).to(ACC) * x.to(ACC)).sum(dim=1).float().to(x.dtype)
 
 
 def hc_expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """X'_k = post_k · out + Σ_j comb[j, k] · X_j, in float32 and rounded once."""
-    mixed = torch.einsum("tjk,tjd->tkd", comb, residual.float())
-    return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(residual.dtype)
+    mixed = torch.einsum("tjk,tjd->tkd", comb.to(ACC), residual.to(ACC))
+    return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed.float()).to(residual.dtype)
 
 
 # ---- attention ------------------------------------------------------------------------------------
@@ -166,15 +178,15 @@ def sink_attention(
     """Single-KV-head attention with per-head sinks: q [T, H, d], keys (= values) [L, d],
     mask [T, L] (True = attend). The sink adds exp(sink − max) to the denominator only; in
     reference mode probabilities are rounded to the activation dtype before PV, as the kernel does."""
-    k = keys.float()
-    scores = torch.einsum("thd,ld->thl", q.float(), k) * scale
+    k = keys.to(ACC)
+    scores = torch.einsum("thd,ld->thl", q.to(ACC), k).float() * scale
     scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
     peak = scores.amax(dim=-1, keepdim=True)
     probs = torch.exp(scores - peak)
-    denom = probs.sum(dim=-1) + torch.exp(sink.unsqueeze(0) - peak.squeeze(-1))
+    denom = probs.to(ACC).sum(dim=-1).float() + torch.exp(sink.unsqueeze(0) - peak.squeeze(-1))
     if num.quantize:
-        probs = probs.to(num.dtype).float()
-    out = torch.einsum("thl,ld->thd", probs, k) / denom.unsqueeze(-1)
+        probs = probs.to(num.dtype)
+    out = torch.einsum("thl,ld->thd", probs.to(ACC), k).float() / denom.unsqueeze(-1)
     return out.to(num.dtype)
 
 
@@ -208,7 +220,7 @@ class MoE:
     """sqrt-softplus scoring; top-k on score + bias (or a fixed tid2eid table for hash layers);
     weights = normalised scores × route_scale; routed experts plus the shared expert."""
 
-    gate: torch.Tensor  # [E, D] float32
+    gate: torch.Tensor  # [E, D] float64
     bias: torch.Tensor | None  # [E] float32, noaux load-balancing correction (selection only)
     tid2eid: torch.Tensor | None  # [vocab, k] int64 for hash-routed layers
     experts: list[Expert]
@@ -217,13 +229,13 @@ class MoE:
     route_scale: float
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.softplus(F.linear(x.float(), self.gate)).sqrt()
+        scores = F.softplus(acc_matmul(x, self.gate)).sqrt()
         if self.tid2eid is not None:
             idx = self.tid2eid[ids]
         else:
             idx = (scores + self.bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, idx)
-        weights = weights / weights.sum(dim=-1, keepdim=True) * self.route_scale
+        weights = weights / weights.to(ACC).sum(dim=-1, keepdim=True).float() * self.route_scale
         return weights, idx
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, num: Numerics) -> torch.Tensor:

@@ -102,8 +102,12 @@ def tiny_config_dict(family: str = "v4", overrides: dict[str, Any] | None = None
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     raw = json.loads(json.dumps(FAMILIES[family]))
-    for key, value in (overrides or {}).items():
-        raw[key] = value
+    overrides = overrides or {}
+    raw |= overrides
+    if "num_hidden_layers" in overrides and "compress_ratios" not in overrides:
+        # Keep the released pattern (two window-only layers, then CSA/HCA alternating) at the new depth.
+        n, trailing = raw["num_hidden_layers"], len(FAMILIES[family]["compress_ratios"]) - V4_TINY["num_hidden_layers"]
+        raw["compress_ratios"] = [0 if i < 2 else (4 if i % 2 == 0 else 8) for i in range(n)] + [0] * trailing
     if raw.get("quantization_config") is None:
         raw.pop("quantization_config", None)
     return raw
@@ -132,6 +136,10 @@ def _master(name: str, shape: tuple[int, ...], c: ModelConfig, g: torch.Generato
         return normal(0.5)
     if name.endswith("gate.bias"):
         return normal(0.1)
+    if name.endswith(("wo_b.weight", "w2.weight")):
+        # Residual-branch outputs start small (GPT-2 style, 1/sqrt(2·layers)), as in trained
+        # models, so each sublayer adds to the streams instead of replacing them.
+        return normal((shape[-1] * 2 * c.n_layers) ** -0.5)
     return normal(shape[-1] ** -0.5)  # a linear layer's [out, in] weight
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from . import quant
 from .config import ModelConfig
-from .layers import Expert, HyperConnection, Linear, MoE, Numerics, Rope, hc_collapse, hc_expand, rms_norm, sink_attention
+from .layers import ACC, Expert, HyperConnection, Linear, MoE, Numerics, Rope, acc_matmul, hc_collapse, hc_expand, rms_norm, sink_attention
 from .state import CompressorState, LayerState, SequenceState
 
 KV_FP8_BLOCK = 64  # window / compressed KV entries: FP8 on the nope dims, one scale per 64
@@ -26,8 +26,9 @@ INDEX_FP4_BLOCK = 32  # indexer queries and keys: FP4 with ue8m0 scales per 32
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores per row (the indexer's selection)."""
-    return scores.topk(k, dim=-1).indices
+    """Indices of the k largest scores per row (the indexer's selection); equal scores go to the
+    lower index, so the choice never depends on the batch a row is computed in."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
 
 
 class Weights:
@@ -107,7 +108,7 @@ class Compressor:
         if not n:
             return torch.zeros(0, width, dtype=num.dtype)
 
-        entries = (pool_kv * pool_score.softmax(dim=1)).sum(dim=1)
+        entries = (pool_kv.to(ACC) * pool_score.to(ACC).softmax(dim=1)).sum(dim=1).float()
         entries = rms_norm(entries.to(num.dtype), self.norm, self.eps)
         entry_pos = (first_group + torch.arange(n)) * ratio
         entries = self.rope.apply(entries, self.rope.cos_sin(entry_pos))
@@ -150,8 +151,8 @@ class Indexer:
         if num.quantize:
             q = quant.fp4_fake_quant_ue8m0(quant.hadamard_transform(q), INDEX_FP4_BLOCK)
         weights = self.weights_proj(x, num).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        dots = torch.einsum("thd,nd->thn", q.float(), keys.float()).to(num.dtype).float()
-        scores = (F.relu(dots) * weights.unsqueeze(-1)).sum(dim=1).to(num.dtype).float()
+        dots = torch.einsum("thd,nd->thn", q.to(ACC), keys.to(ACC)).float().to(num.dtype).float()
+        scores = (F.relu(dots) * weights.unsqueeze(-1)).to(ACC).sum(dim=1).float().to(num.dtype).float()
         scores = scores.masked_fill(~visible, float("-inf"))
         picks = select_topk(scores, min(self.topk, n))
         chosen = torch.zeros_like(visible)
@@ -191,7 +192,7 @@ class Attention:
 
         qr = rms_norm(self.wq_a(x, num), self.q_norm, c.norm_eps)
         q = self.wq_b(qr, num).view(T, self.n_heads, self.head_dim)
-        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + c.norm_eps)  # unweighted, per head
+        q = rms_norm(q, None, c.norm_eps)  # unweighted, per head
         q = self.rope.apply(q, cos_sin)
 
         kv = rms_norm(self.wkv(x, num), self.kv_norm, c.norm_eps)
@@ -222,7 +223,7 @@ class Attention:
         o = self.rope.apply(o, cos_sin, inverse=True)
         groups = o.reshape(T, c.o_groups, -1)
         wo_a = self.wo_a.weight.view(c.o_groups, c.o_lora_rank, -1)
-        o = torch.einsum("tgd,grd->tgr", groups.float(), wo_a).to(num.dtype)
+        o = torch.einsum("tgd,grd->tgr", groups.to(ACC), wo_a).float().to(num.dtype)
         return self.wo_b(o.flatten(1), num)
 
 
@@ -244,7 +245,7 @@ class Block:
             return Expert(w.linear(f"{p}.w1"), w.linear(f"{p}.w2"), w.linear(f"{p}.w3"), limit)
 
         self.ffn = MoE(
-            gate=w.float(f"{f}.gate.weight"),
+            gate=w.float(f"{f}.gate.weight").to(ACC),
             bias=None if hash_layer else w.float(f"{f}.gate.bias"),
             tid2eid=w.raw(f"{f}.gate.tid2eid") if hash_layer else None,
             experts=[expert(f"{f}.experts.{e}") for e in range(c.n_routed_experts)],
@@ -295,7 +296,7 @@ class V4Model:
         w = Weights(tensors, c)
         self.config = c
         self.embed = w.raw("embed.weight")
-        self.head = w.float("head.weight")
+        self.head = w.float("head.weight").to(ACC)
         self.norm = w.float("norm.weight")
         self.hc_head = HyperHead(w, "hc_head")
         self.layers = [Block(w, f"layers.{i}", c.compress_ratios[i], c.is_hash_layer(i)) for i in range(c.n_layers)]
@@ -308,7 +309,7 @@ class V4Model:
     def _logits(self, x: torch.Tensor, hc_head: HyperHead, norm: torch.Tensor) -> torch.Tensor:
         c = self.config
         h = rms_norm(hc_head(x, c.norm_eps, c.hc_eps), norm, c.norm_eps)
-        return F.linear(h.float(), self.head)
+        return acc_matmul(h, self.head)
 
     @torch.inference_mode()
     def forward(
