@@ -300,8 +300,9 @@ class V4Model:
         self.norm = w.float("norm.weight")
         self.hc_head = HyperHead(w, "hc_head")
         self.layers = [Block(w, f"layers.{i}", c.compress_ratios[i], c.is_hash_layer(i)) for i in range(c.n_layers)]
-        # V4-Flash-0731's DSpark stages are loaded (checked) but run only under speculative decoding.
         self.mtp = [MTPLayer(w, f"mtp.{i}") for i in range(c.n_mtp_layers)] if c.dspark is None else []
+        # V4-Flash-0731's DSpark stages: loaded and checked now, run by speculative decoding later.
+        self.dspark = {k: v for k, v in tensors.items() if k.startswith("mtp.")} if c.dspark else {}
 
     def new_state(self, num: Numerics) -> SequenceState:
         return SequenceState.new(self.config, num.dtype)

@@ -1,0 +1,3 @@
+from dsuf.cli import main
+
+main()
