@@ -153,16 +153,6 @@ def test_v4_flash_schema_has_no_extra_tensors(absent):
 # ---- tiny checkpoints: written once per module ----------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The FP4 encoder (torch.bucketize) on these tiny tensors runs >10x slower with intra-op threads
-    on a loaded machine; one thread keeps the module fast. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(folder, config) of a quantised tiny checkpoint."""

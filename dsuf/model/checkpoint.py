@@ -276,6 +276,8 @@ def load_tensors(ckpt_dir: str | Path, c: ModelConfig, rank: int = 0, world: int
     Returns tensors in their storage dtypes (FP8 e4m3, E8M0, packed I8, BF16, F32, I64).
     """
     ckpt_dir = Path(ckpt_dir)
+    if not 0 <= rank < world:
+        raise CheckpointError(f"tensor-parallel rank {rank} is outside a world of {world}")
     if world > 1:
         check_tp(c, world)
     schema = checkpoint_schema(c)
@@ -302,6 +304,9 @@ def load_tensors(ckpt_dir: str | Path, c: ModelConfig, rank: int = 0, world: int
             raise CheckpointError(f"shard {file} named in the index is missing from {ckpt_dir}")
         with safe_open(path, "pt") as f:
             present = set(f.keys())
+            unindexed = [n for n in present if n not in weight_map]
+            if unindexed:
+                raise CheckpointError(f"shard {file} holds tensors the index does not name: {_summarise(unindexed)}")
             for name in names:
                 if name not in present:
                     raise CheckpointError(f"tensor {name} is not in shard {file} as the index says")

@@ -157,27 +157,36 @@ _DSPARK_KEYS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_lay
 
 
 def _fail(field_name: str, why: str) -> None:
-    raise ConfigError(f"config field '{field_name}': {why}")
+    raise ConfigError(f"config field {field_name!r}: {why}")
 
 
-def _require(raw: dict, key: str) -> Any:
+def _require(raw: dict, key: str, name: str | None = None) -> Any:
     if key not in raw:
-        _fail(key, "missing")
+        _fail(name or key, "missing")
     return raw[key]
 
 
-def _int(raw: dict, key: str, minimum: int = 1) -> int:
-    value = _require(raw, key)
+def _int(raw: dict, key: str, minimum: int = 1, name: str | None = None) -> int:
+    value = _require(raw, key, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        _fail(key, f"must be an integer >= {minimum}, got {value!r}")
+        _fail(name or key, f"must be an integer >= {minimum}, got {value!r}")
     return value
 
 
-def _float(raw: dict, key: str, positive: bool = True) -> float:
-    value = _require(raw, key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and not value > 0):
-        _fail(key, f"must be a {'positive ' if positive else ''}number, got {value!r}")
+def _float(raw: dict, key: str, positive: bool = True, name: str | None = None) -> float:
+    value = _require(raw, key, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (positive and not value > 0):
+        _fail(name or key, f"must be a {'positive ' if positive else ''}number, got {value!r}")
     return float(value)
+
+
+def _dict(raw: dict, key: str) -> dict:
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        _fail(key, f"must be an object, got {value!r}")
+    return value
 
 
 def parse_config(raw: dict, name: str = "model") -> ModelConfig:
@@ -229,18 +238,19 @@ def parse_config(raw: dict, name: str = "model") -> ModelConfig:
         _fail("num_hash_layers", f"must be an integer in [0, {n_layers}], got {n_hash!r}")
     hc_mult = _int(raw, "hc_mult")
 
-    rope = raw.get("rope_scaling") or {}
+    rope = _dict(raw, "rope_scaling")
     rope_type = rope.get("type", rope.get("rope_type", "yarn" if rope else None))
     if rope and rope_type != "yarn":
         _fail("rope_scaling", f"only YaRN is supported, got type {rope_type!r}")
+    yarn = {}
     if rope:
-        for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
-            if key not in rope:
-                _fail(f"rope_scaling.{key}", "missing")
+        for key in ("factor", "beta_fast", "beta_slow"):
+            yarn[key] = _float(rope, key, name=f"rope_scaling.{key}")
+        yarn["original"] = _int(rope, "original_max_position_embeddings", name="rope_scaling.original_max_position_embeddings")
 
     quant = None
-    qc = raw.get("quantization_config")
-    if qc is not None:
+    qc = _dict(raw, "quantization_config")
+    if raw.get("quantization_config") is not None:
         if qc.get("quant_method") != "fp8":
             _fail("quantization_config.quant_method", f"only 'fp8' is supported, got {qc.get('quant_method')!r}")
         if qc.get("fmt", "e4m3") != "e4m3":
@@ -300,14 +310,14 @@ def parse_config(raw: dict, name: str = "model") -> ModelConfig:
         norm_eps=_float(raw, "rms_norm_eps"),
         rope_theta=_float(raw, "rope_theta"),
         compress_rope_theta=_float(raw, "compress_rope_theta"),
-        rope_factor=float(rope.get("factor", 1.0)),
-        original_seq_len=int(rope.get("original_max_position_embeddings", 0)),
-        beta_fast=float(rope.get("beta_fast", 32)),
-        beta_slow=float(rope.get("beta_slow", 1)),
-        max_seq_len=int(raw.get("max_position_embeddings", 1 << 20)),
-        n_mtp_layers=int(raw.get("num_nextn_predict_layers", 1)),
-        bos_token_id=int(raw.get("bos_token_id", 0)),
-        eos_token_id=int(raw.get("eos_token_id", 1)),
+        rope_factor=yarn.get("factor", 1.0),
+        original_seq_len=yarn.get("original", 0),
+        beta_fast=yarn.get("beta_fast", 32.0),
+        beta_slow=yarn.get("beta_slow", 1.0),
+        max_seq_len=_int(raw, "max_position_embeddings") if "max_position_embeddings" in raw else 1 << 20,
+        n_mtp_layers=_int(raw, "num_nextn_predict_layers", minimum=0) if "num_nextn_predict_layers" in raw else 1,
+        bos_token_id=_int(raw, "bos_token_id", minimum=0) if "bos_token_id" in raw else 0,
+        eos_token_id=_int(raw, "eos_token_id", minimum=0) if "eos_token_id" in raw else 1,
         quant=quant,
         dspark=dspark,
         mtp_compress_ratios=trailing,
@@ -329,8 +339,6 @@ def _check_shapes(c: ModelConfig) -> None:
             _fail("moe_intermediate_size", f"expert widths must be multiples of the FP4 block {c.quant.fp4_block}")
         if c.dim % block or c.q_lora_rank % block:
             _fail("hidden_size", f"hidden_size and q_lora_rank must be multiples of the activation block {block}")
-    if not math.isfinite(c.rope_factor) or c.rope_factor <= 0:
-        _fail("rope_scaling.factor", "must be positive")
 
 
 # Reference (`inference/config.json`) key -> HF key, for the consistency check.
@@ -370,17 +378,25 @@ def check_inference_config(raw: dict, ref: dict) -> None:
             _fail(f"inference/config.json:{key}", f"{value!r} disagrees with config.json {hf_key}={hf_value!r}")
 
 
+def _read_json_object(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object, not {type(raw).__name__}")
+    return raw
+
+
 def load_config(ckpt_dir: str | Path) -> ModelConfig:
     """Read `config.json` (and `inference/config.json` where present) from a checkpoint folder."""
     ckpt_dir = Path(ckpt_dir)
     path = ckpt_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"no config.json in {ckpt_dir}")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"config.json is not valid JSON: {exc}") from None
+    raw = _read_json_object(path)
+    config = parse_config(raw, name=ckpt_dir.resolve().name)
     ref_path = ckpt_dir / "inference" / "config.json"
     if ref_path.is_file():
-        check_inference_config(raw, json.loads(ref_path.read_text()))
-    return parse_config(raw, name=ckpt_dir.resolve().name)
+        check_inference_config(raw, _read_json_object(ref_path))
+    return config

@@ -138,10 +138,14 @@ def e2m1_encode(x: Tensor) -> Tensor:
     """
     xf = x.to(torch.float32)
     a = xf.abs().clamp(max=FP4_MAX)
-    lo = _E2M1_TIES_DOWN.to(a.device)
-    hi = _E2M1_TIES_UP.to(a.device)
-    # bucketize(right=False) counts boundaries strictly below a, right=True those <= a.
-    mag = torch.bucketize(a, lo, right=False) + torch.bucketize(a, hi, right=True)
+    # The code of |x| is the number of rounding boundaries it has passed: strictly past a
+    # boundary whose tie rounds down, at or past one whose tie rounds up. (Seven comparisons
+    # beat torch.bucketize by an order of magnitude on small CPU tensors.)
+    mag = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for bound in _E2M1_TIES_DOWN.tolist():
+        mag += a > bound
+    for bound in _E2M1_TIES_UP.tolist():
+        mag += a >= bound
     sign = (xf < 0).to(mag.dtype) << 3
     return (mag | sign).to(torch.uint8)
 
