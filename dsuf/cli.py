@@ -21,13 +21,6 @@ def _tokens(text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def _load(ckpt: str):
-    from dsuf.model import load_model
-
-    model = load_model(ckpt)
-    return model
-
-
 def _check_vocab(tokens: torch.Tensor, vocab: int) -> None:
     bad = tokens[(tokens < 0) | (tokens >= vocab)]
     if bad.numel():
@@ -50,10 +43,11 @@ def cmd_make_tiny(args: argparse.Namespace) -> None:
 
 
 def cmd_logits(args: argparse.Namespace) -> None:
+    from dsuf.model import load_model
     from dsuf.model.layers import Numerics
 
     num = Numerics.parse(args.numerics, args.dtype)
-    model = _load(args.ckpt)
+    model = load_model(args.ckpt)
     tokens = _tokens(args.tokens)
     _check_vocab(tokens, model.config.vocab_size)
     if args.chunk < 1:
@@ -80,10 +74,11 @@ def greedy(model, prompt: torch.Tensor, max_new: int, num) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from dsuf.model import load_model
     from dsuf.model.layers import Numerics
 
     num = Numerics.parse(args.numerics, args.dtype)
-    model = _load(args.ckpt)
+    model = load_model(args.ckpt)
     tokens = _tokens(args.tokens)
     _check_vocab(tokens, model.config.vocab_size)
     print(",".join(str(t) for t in greedy(model, tokens, args.max_new, num)))
