@@ -84,9 +84,21 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(",".join(str(t) for t in greedy(model, tokens, args.max_new, num)))
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from dsuf.serve import main as serve_main
+
+    sys.exit(serve_main(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsuf", description="DeepSeek Ultrafast inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    from dsuf.serve import add_serve_arguments
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API (default: the embedded tiny model)")
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("make-tiny", help="write a tiny random checkpoint in the released layout")
     p.add_argument("--family", default="v4", help="v4 or v4-0731")

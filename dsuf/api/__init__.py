@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: request preparation (deepseek-recipe) and the aiohttp server."""

@@ -1,0 +1,370 @@
+"""OpenAI chat-completions requests in, engine work and chat.completion.chunk JSON out.
+
+Everything about DeepSeek's wire and prompt formats is delegated to `deepseek-recipe`, DeepSeek's own
+converter, renderer and stream parser, so the server never re-implements them:
+
+* `ChatFrontend.prepare` validates and converts the request body (`ChatCompletionRequest.convert`),
+  renders and encodes the V4 prompt (`DeepseekV4Encoding.encode`, which never lets user text turn
+  into special tokens) and resolves max_tokens against the context;
+* `ChatStream` feeds generated token ids through the recipe `StreamProcessor` (UTF-8 split across
+  tokens, reasoning vs content, DSML tool calls, stop strings, logprobs, usage) and accumulates the
+  non-stream `ChatCompletionResponse` from the same chunks.
+
+What the recipe does that the server relies on (checked against deepseek-recipe 0.2.0):
+
+* the final chunk (the one with `finish_reason`) always carries `usage`, whether or not
+  `stream_options.include_usage` is set; there is no separate usage-only chunk. With include_usage
+  the earlier chunks carry `"usage": null`, without it they have no `usage` key;
+* a stop string is enforced by the parser: the text is cut before it, the final chunk (finish_reason
+  "stop" + usage) comes out of that very `push_tokens` call and `finished` turns true;
+* a DSML tool-call block becomes `delta.tool_calls` (first delta: id `call_00_…`, type, name,
+  `arguments: ""`, then argument fragments) and the final finish_reason becomes "tool_calls";
+* the SSE stream ends with `data: [DONE]` (`SSE_DONE`); chat chunks have no SSE event name.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import deepseek_recipe as dr
+
+__all__ = ["ChatError", "ChatFrontend", "ChatStream", "ModelInfo", "PreparedChat", "SSE_DONE", "MODEL_ALIASES"]
+
+# Names accepted besides the checkpoint's own: dsh's default, DeepSeek's current and legacy public names.
+MODEL_ALIASES = ("deepseek-v4-flash", "deepseek-v4.1-flash", "deepseek-flash", "deepseek-chat", "deepseek-reasoner")
+# Legacy names that imply a thinking mode when the request does not choose one itself.
+_THINKING_BY_MODEL = {"deepseek-chat": False, "deepseek-reasoner": True}
+# family -> (the recipe model version whose prompt encoding matches, that encoding).
+# The recipe only knows DeepseekV4Pro (rendered by DeepseekV4Encoding) and DeepseekV41Flash
+# (DeepseekV41Encoding); V4-Flash shares V4-Pro's prompt format and tokenizer.
+_FAMILIES: dict[str, tuple[Any, Any]] = {
+    "v4": (dr.ModelVersion.DeepseekV4Pro, dr.DeepseekV4Encoding),
+    "v41": (dr.ModelVersion.DeepseekV41Flash, dr.DeepseekV41Encoding),
+}
+_FINISH_REASONS = {
+    "stop": dr.InferenceFinishReason.Stop,
+    "length": dr.InferenceFinishReason.Length,
+    "content_filter": dr.InferenceFinishReason.ContentFilter,
+}
+_EOS = "<｜end▁of▁sentence｜>"
+
+# The data of the last SSE message of a chat-completions stream ("[DONE]").
+SSE_DONE: str = dr.ChatCompletionResponse.sse_done_data() or "[DONE]"
+
+
+class ChatError(Exception):
+    """A request the server refuses, carrying the OpenAI/DeepSeek error body and HTTP status."""
+
+    status: int
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    @classmethod
+    def from_conversion(cls, exc: Exception) -> ChatError:
+        """Keep the recipe's DeepSeek-shaped error body (message/type/param/code) and status."""
+        status = getattr(exc, "status_code", 400)
+        try:
+            err = json.loads(getattr(exc, "body", ""))["error"]
+            return cls(
+                status if isinstance(status, int) else 400,
+                str(err.get("message") or exc),
+                str(err.get("type") or "invalid_request_error"),
+                err.get("param"),
+                str(err.get("code") or "invalid_request_error"),
+            )
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return cls(status if isinstance(status, int) else 400, str(exc))
+
+    def body(self) -> dict:
+        """The JSON error body clients expect: {"error": {"message", "type", "param", "code"}}."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Which model is served: the checkpoint's name and its prompt family ("v4" or "v41")."""
+
+    served_name: str
+    family: str
+
+
+@dataclass
+class PreparedChat:
+    """Everything the engine and the response writer need for one chat-completions request."""
+
+    request_id: str
+    model: str  # the name the client asked for, echoed back in every chunk
+    prompt_ids: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    temperature: float | None
+    top_p: float | None
+    seed: int | None
+    logprobs: bool
+    top_logprobs: int | None
+    frequency_penalty: float
+    presence_penalty: float
+    stop: list[str]
+    thinking: bool
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    created: int = 0
+    _conversion: Any = field(default=None, repr=False, compare=False)
+    _tokenizer: Any = field(default=None, repr=False, compare=False)
+
+    def new_stream(self) -> ChatStream:
+        """A fresh recipe parser for this request's output (each call starts from scratch)."""
+        generator = dr.ChatCompletionRequest.chunk_generator(self._conversion, self.request_id, self.model)
+        processor = dr.StreamProcessor(generator, self._conversion.parsing_options, self._tokenizer)
+        return ChatStream(processor, self.request_id, self.model, self.created)
+
+
+class ChatStream:
+    """Feeds generated token ids through the recipe StreamProcessor (with the Tokenizer, so UTF-8 split
+    across tokens, reasoning tokens and logprobs work) and yields chat.completion.chunk JSON strings.
+
+    Every chunk is also accumulated into a `ChatCompletionResponse`, so `response_json()` gives the
+    non-stream answer from the same parse. Protocol: `start`, `push_tokens`…, `finish`, then `close`
+    (always, also on errors or disconnects)."""
+
+    def __init__(self, processor: Any, request_id: str, model: str, created: int) -> None:
+        self._processor = processor
+        self._id, self._model, self._created = request_id, model, created
+        self._response: Any = None
+        self._closed = False
+
+    def _emit(self, chunks: list[Any]) -> list[str]:
+        # to_json() first: accumulate() consumes the chunk.
+        out = []
+        for chunk in chunks:
+            out.append(chunk.to_json())
+            self._response.accumulate(chunk)
+        return out
+
+    def start(self, prompt_tokens: int, cached_tokens: int) -> list[str]:
+        """Announce the prompt (its usage feeds the final chunk); yields the role chunk."""
+        if self._response is not None:
+            raise RuntimeError("ChatStream.start() called twice")
+        self._response = dr.ChatCompletionResponse(self._id, self._model, self._created, prompt_tokens, cached_tokens)
+        usage = dr.PromptUsage(prompt_tokens=prompt_tokens, prompt_cache_hit_tokens=cached_tokens)
+        return self._emit(self._processor.push(dr.InferenceChunk.ready(prompt_usage=usage)))
+
+    def push_tokens(
+        self, ids: list[int], logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    ) -> list[str]:
+        """Parse newly generated tokens (never EOS: the caller strips it and calls finish("stop")).
+
+        `logprobs` holds one (logprob, [(token_id, logprob), ...]) pair per id. Once `finished` (a
+        stop string was seen) further tokens are ignored, so tokens already in flight do no harm."""
+        if self._response is None:
+            raise RuntimeError("ChatStream.push_tokens() before start()")
+        if self.finished or not ids:
+            return []
+        chunk = dr.InferenceChunk.tokens(list(ids), None if logprobs is None else list(logprobs))
+        return self._emit(self._processor.push(chunk))
+
+    @property
+    def finished(self) -> bool:
+        """The parser saw a stop sequence or completed (or the stream was closed): stop generating."""
+        return self._closed or self._processor.finished
+
+    def finish(self, reason: str) -> list[str]:
+        """End the output ("stop" | "length" | "content_filter"); yields the final chunk with
+        finish_reason (the parser turns "stop" into "tool_calls" after a tool call) and usage.
+        Returns [] when the parser already finished on a stop string, or when called again."""
+        if reason not in _FINISH_REASONS:
+            raise ValueError(f"unknown finish reason {reason!r}")
+        if self._response is None:
+            raise RuntimeError("ChatStream.finish() before start()")
+        if self._closed:
+            return []
+        out = []
+        if not self._processor.finished:
+            out += self._emit(self._processor.push(dr.InferenceChunk.finish(_FINISH_REASONS[reason])))
+        out += self._emit(self._processor.finish())
+        return out
+
+    def close(self) -> None:
+        """Release the parser; safe to call more than once and after finish."""
+        if not self._closed:
+            self._closed = True
+            self._processor.close()
+
+    def response_json(self) -> str:
+        """The non-stream chat.completion object accumulated from every chunk so far."""
+        if self._response is None:
+            raise RuntimeError("ChatStream.response_json() before start()")
+        return self._response.to_json()
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(path: str, mtime_ns: int, size: int) -> tuple[Any, int]:
+    """The recipe Tokenizer and the vocab size (highest id + 1, to validate logit_bias keys).
+
+    Loading takes about a second; cached per file version because it is immutable and shareable."""
+    tokenizer = dr.Tokenizer.from_file(path)
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    ids = list(data.get("model", {}).get("vocab", {}).values()) + [t["id"] for t in data.get("added_tokens", [])]
+    return tokenizer, max(ids) + 1
+
+
+def _f32_clean(x: float | None) -> float | None:
+    """The recipe stores sampling floats as f32 (0.3 -> 0.30000001192…); give back the short decimal."""
+    return None if x is None else float(f"{x:.7g}")
+
+
+class ChatFrontend:
+    """Turns chat-completions request bodies into `PreparedChat`s for one served model."""
+
+    def __init__(self, tokenizer_json: str | Path, served_name: str, context_limit: int, family: str = "v4") -> None:
+        if family not in _FAMILIES:
+            raise ValueError(f"unknown model family {family!r} (expected one of {sorted(_FAMILIES)})")
+        if context_limit < 1:
+            raise ValueError(f"context_limit must be positive, got {context_limit}")
+        path = Path(tokenizer_json)
+        version, encoding_cls = _FAMILIES[family]
+        self.info = ModelInfo(served_name, family)
+        self.context_limit = context_limit
+        stat = path.stat()
+        self._tokenizer, self.vocab_size = _load_tokenizer(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+        self._encoding = encoding_cls().with_tokenizer(self._tokenizer)
+        self._names = list(dict.fromkeys([served_name, *MODEL_ALIASES]))
+        # Replace the recipe's default table (DeepSeek-V4-Pro / DeepSeek-V4.1-Flash): every accepted
+        # name must select the encoding this tokenizer and checkpoint belong to.
+        self._options = dr.ConversionOptions().with_model_versions_by_name({n: version for n in self._names})
+        self.eos_token_ids: tuple[int, ...] = tuple(self._tokenizer.encode(_EOS))
+        try:  # fail at startup, not per request, when the tokenizer lacks the family's special tokens
+            self._encoding.encode(dr.Conversation([dr.SystemMessage("s"), dr.UserMessage("u")]))
+        except RuntimeError as exc:
+            raise ValueError(f"tokenizer {path} does not fit the {family} prompt encoding: {exc}") from exc
+
+    def models(self) -> list[str]:
+        """The model names requests may use (the served name first)."""
+        return list(self._names)
+
+    def prepare(self, body: bytes | str | dict) -> PreparedChat:
+        """Validate, convert, render and encode one request; raises ChatError with the 4xx body."""
+        req = self._parse_body(body)
+        model = req.get("model")
+        # Legacy names imply a thinking mode unless the request chooses one (thinking or reasoning_effort).
+        if model in _THINKING_BY_MODEL and req.get("thinking") is None and req.get("reasoning_effort") is None:
+            req["thinking"] = {"type": "enabled" if _THINKING_BY_MODEL[model] else "disabled"}
+        # The recipe ignores max_completion_tokens (the newer OpenAI spelling).
+        if req.get("max_tokens") is None and req.get("max_completion_tokens") is not None:
+            req["max_tokens"] = req["max_completion_tokens"]
+        logit_bias = self._logit_bias(req.get("logit_bias"))
+
+        try:
+            conv = dr.ChatCompletionRequest(req).convert(self._options)
+        except dr.ConversionError as exc:
+            raise ChatError.from_conversion(exc) from exc
+        except (ValueError, TypeError) as exc:  # serde errors: wrong types, unknown roles/parts
+            raise ChatError(400, str(exc)) from exc
+
+        conversation = conv.conversation
+        if any(m.image_sources for m in conversation.messages):
+            raise ChatError(400, "image inputs are not supported by this server", param="messages")
+        try:
+            prompt_ids = list(self._encoding.encode(conversation))
+        except RuntimeError as exc:
+            raise ChatError(500, f"prompt encoding failed: {exc}", "server_error", None, "internal_error") from exc
+
+        thinking = bool(conversation.thinking_mode)
+        opts = conv.inference_options
+        max_tokens = self._max_tokens(conv, len(prompt_ids), opts.max_tokens)
+        stream = bool(conv.stream)
+        stream_options = req.get("stream_options")
+        include_usage = stream and isinstance(stream_options, dict) and stream_options.get("include_usage") is True
+        return PreparedChat(
+            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            model=str(model),
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            stream=stream,
+            include_usage=include_usage,
+            temperature=_f32_clean(opts.temperature),
+            top_p=_f32_clean(opts.top_p),
+            seed=opts.seed,
+            logprobs=bool(opts.logprobs),
+            top_logprobs=opts.top_logprobs,
+            # The recipe validates these ([-2, 2]) but does not carry them; thinking mode ignores them.
+            frequency_penalty=0.0 if thinking else float(req.get("frequency_penalty") or 0.0),
+            presence_penalty=0.0 if thinking else float(req.get("presence_penalty") or 0.0),
+            stop=list(conv.parsing_options.stop_sequences),
+            thinking=thinking,
+            logit_bias=logit_bias,
+            created=int(time.time()),
+            _conversion=conv,
+            _tokenizer=self._tokenizer,
+        )
+
+    @staticmethod
+    def _parse_body(body: bytes | str | dict) -> dict:
+        """A private copy of the JSON object (we inject fields before conversion)."""
+        if isinstance(body, (bytes, bytearray, memoryview, str)):
+            try:
+                body = json.loads(bytes(body) if not isinstance(body, str) else body)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise ChatError(400, f"invalid JSON request body: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ChatError(400, "the request body must be a JSON object")
+        return dict(body)
+
+    def _logit_bias(self, raw: Any) -> dict[int, float]:
+        """OpenAI logit_bias {"token id": bias in [-100, 100]}; the recipe accepts and drops it."""
+        if raw is None:
+            return {}
+        if not isinstance(raw, dict):
+            raise ChatError(400, "logit_bias must be an object mapping token ids to biases", param="logit_bias")
+        out: dict[int, float] = {}
+        for key, value in raw.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                token = -1
+            if not 0 <= token < self.vocab_size or str(token) != str(key).strip():
+                raise ChatError(400, f"Invalid logit_bias key {key!r}: not a token id", param="logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not -100 <= value <= 100:
+                raise ChatError(400, f"Invalid logit_bias value for token {key}: must be in [-100, 100]", param="logit_bias")
+            out[token] = float(value)
+        return out
+
+    def _max_tokens(self, conv: Any, prompt_len: int, requested: int | None) -> int:
+        """The recipe's default/clamp, except that a requested max_tokens that does not fit is
+        clamped to the context left (dsh asks for 256000) instead of rejected."""
+        left = self.context_limit - prompt_len
+        if left < 1:
+            raise ChatError(
+                400,
+                f"This model's maximum context length is {self.context_limit} tokens. However, you requested "
+                f"{prompt_len + (requested or 0)} tokens ({prompt_len} in the messages, {requested or 0} in the "
+                f"completion). Please reduce the length of the messages or completion.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if requested is not None and requested > left:
+            return left
+        try:
+            return int(conv.resolve_max_tokens(prompt_len, self.context_limit))
+        except dr.ConversionError as exc:  # not expected after the checks above
+            raise ChatError.from_conversion(exc) from exc

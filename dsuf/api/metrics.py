@@ -1,0 +1,23 @@
+"""Prometheus metrics of the server (names follow vLLM's, under the `dsuf:` prefix)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("dsuf:num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("dsuf:num_requests_waiting", "Requests waiting to be admitted", registry=r)
+        self.prompt_tokens = Counter("dsuf:prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter("dsuf:generation_tokens", "Tokens generated", registry=r)
+        self.cache_hit_tokens = Counter("dsuf:prompt_cache_hit_tokens", "Prompt tokens served from a conversation cache", registry=r)
+        self.ttft = Histogram("dsuf:time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("dsuf:inter_token_latency_seconds", "Time between tokens of a stream", buckets=_LATENCY_BUCKETS, registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,207 @@
+"""The HTTP front end: OpenAI chat completions (streaming and not), models, health, metrics.
+
+Requests are converted, rendered and parsed by deepseek-recipe (`dsuf.api.chat`); generation
+happens in the engine. Every failure a client can cause gets an OpenAI error body with the right
+status, and a client that goes away frees its batch slot at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from dsuf.api.chat import ChatError, ChatFrontend, PreparedChat
+from dsuf.api.metrics import Metrics
+from dsuf.engine.engine import Engine, WorkerGone
+from dsuf.engine.scheduler import ErrorEvent, FinishEvent, QueueFull, Request, TokenEvent
+from dsuf.worker.sampling import SamplingParams
+
+log = logging.getLogger("dsuf.api")
+
+ENGINE = web.AppKey("engine", Engine)
+CHAT = web.AppKey("chat", ChatFrontend)
+METRICS = web.AppKey("metrics", Metrics)
+STATE = web.AppKey("state", "ServerState")
+
+
+@dataclass
+class ServerState:
+    api_key: str | None = None
+    draining: bool = False
+    open_streams: int = 0
+
+
+def error_response(status: int, message: str, type_: str | None = None, code: str | None = None, param: str | None = None, headers: dict | None = None) -> web.Response:
+    type_ = type_ or ("invalid_request_error" if status < 500 else "server_error")
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code or type_}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+@web.middleware
+async def errors_as_openai_bodies(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        reason = {413: "request body too large", 404: "no such route", 405: "method not allowed"}.get(exc.status, exc.reason)
+        return error_response(exc.status, f"{reason}: {request.method} {request.path}" if exc.status in (404, 405) else reason)
+
+
+@web.middleware
+async def bearer_auth(request: web.Request, handler):
+    key = request.app[STATE].api_key
+    if key and request.path not in ("/readyz", "/healthz", "/metrics"):
+        if request.headers.get("Authorization", "") != f"Bearer {key}":
+            return error_response(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
+    return await handler(request)
+
+
+def sampling_params(p: PreparedChat) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0 if p.temperature is None else p.temperature,
+        top_p=1.0 if p.top_p is None else p.top_p,
+        seed=p.seed,
+        frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
+        logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs or 0,
+        logit_bias=p.logit_bias,
+    )
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state, engine, chat, metrics = request.app[STATE], request.app[ENGINE], request.app[CHAT], request.app[METRICS]
+    if state.draining:
+        return error_response(503, "the server is shutting down", code="server_shutting_down")
+    if not engine.ready.is_set():
+        return error_response(503, engine.failure or "the model is still loading", code="model_not_ready", headers={"Retry-After": "5"})
+    body = await request.read()
+    try:
+        prepared = chat.prepare(body)
+        params = sampling_params(prepared)
+    except ChatError as exc:
+        return web.json_response(exc.body(), status=exc.status)
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    req = Request(prepared.prompt_ids, params, prepared.max_tokens)
+    try:
+        engine.submit(req)
+    except QueueFull as exc:
+        return error_response(429, f"too many requests waiting ({exc}); retry shortly", "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": "1"})
+    except WorkerGone as exc:
+        return error_response(503, str(exc), code="model_not_ready")
+    metrics.prompt_tokens.inc(len(prepared.prompt_ids))
+    stream = prepared.new_stream()
+    state.open_streams += 1
+    try:
+        if prepared.stream:
+            return await _stream(request, prepared, req, stream, engine, metrics)
+        return await _complete(prepared, req, stream, engine, metrics)
+    finally:
+        state.open_streams -= 1
+        engine.finish(req)  # no-op when already finished; frees the slot on disconnect or error
+        stream.close()
+
+
+async def _generate(req: Request, stream, engine: Engine, metrics: Metrics, emit):
+    """Pump engine events through the recipe parser; `emit(chunks)` gets chat.completion.chunk JSON."""
+    first = last = None
+    while True:
+        event = await req.events.get()
+        now = time.monotonic()
+        if isinstance(event, TokenEvent):
+            if first is None:
+                first = now
+                metrics.ttft.observe(now - req.arrived)
+            else:
+                metrics.itl.observe(now - last)
+            last = now
+            metrics.generation_tokens.inc()
+            choice = event.choice
+            logprobs = [(choice.logprob, list(choice.top or []))] if req.params.logprobs else None
+            await emit(stream.push_tokens([choice.token], logprobs))
+            if stream.finished:  # a stop string: the parser is done, so is generation
+                engine.finish(req)
+                await emit(stream.finish("stop"))
+                return None
+        elif isinstance(event, FinishEvent):
+            await emit(stream.finish(event.reason))
+            return None
+        else:
+            assert isinstance(event, ErrorEvent)
+            return event
+
+
+async def _stream(request: web.Request, prepared: PreparedChat, req: Request, stream, engine: Engine, metrics: Metrics):
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": prepared.request_id})
+    await resp.prepare(request)
+
+    async def emit(chunks: list[str]) -> None:
+        if chunks:
+            await resp.write("".join(f"data: {c}\n\n" for c in chunks).encode())
+
+    await emit(stream.start(len(prepared.prompt_ids), 0))
+    error = await _generate(req, stream, engine, metrics, emit)
+    if error is not None:
+        body = {"error": {"message": error.message, "type": "server_error", "param": None, "code": "server_error"}}
+        await resp.write(f"data: {json.dumps(body)}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _complete(prepared: PreparedChat, req: Request, stream, engine: Engine, metrics: Metrics) -> web.Response:
+    async def emit(chunks: list[str]) -> None:
+        pass  # the stream accumulates the response itself
+
+    stream.start(len(prepared.prompt_ids), 0)
+    error = await _generate(req, stream, engine, metrics, emit)
+    if error is not None:
+        return error_response(error.status, error.message)
+    return web.Response(text=stream.response_json(), content_type="application/json", headers={"X-Request-Id": prepared.request_id})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    created = int(time.time())
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "dsuf"} for name in request.app[CHAT].models()]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    engine, state = request.app[ENGINE], request.app[STATE]
+    if state.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    if not engine.ready.is_set():
+        return web.json_response({"status": "failed" if engine.failure else "loading", "detail": engine.failure}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "alive"})
+
+
+async def metrics_route(request: web.Request) -> web.Response:
+    m, engine = request.app[METRICS], request.app[ENGINE]
+    m.running.set(engine.running)
+    m.waiting.set(engine.waiting)
+    body, content_type = m.render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+def create_app(engine: Engine, chat: ChatFrontend, state: ServerState, max_body: int = 16 << 20) -> web.Application:
+    app = web.Application(client_max_size=max_body, middlewares=[errors_as_openai_bodies, bearer_auth])
+    app[ENGINE], app[CHAT], app[STATE], app[METRICS] = engine, chat, state, Metrics()
+    for prefix in ("/v1", ""):
+        app.router.add_post(f"{prefix}/chat/completions", chat_completions)
+        app.router.add_get(f"{prefix}/models", list_models)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics_route)
+    return app
+
+

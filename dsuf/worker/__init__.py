@@ -1,0 +1,1 @@
+"""The worker process: model execution and per-sequence token sampling."""

@@ -1,0 +1,99 @@
+"""A worker process: holds the model and the per-sequence states, runs the steps it is told to run.
+
+Started by the front end as `python -m dsuf.worker.main ...` with two rings (by shared-memory
+name) and their doorbell fds. It loads the weights, says `Ready`, then serves `Step` messages
+until `Shutdown` or until its parent disappears. One sequence failing never stops the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import torch
+
+from dsuf.ipc.messages import Fatal, FromWorker, Ready, SeqOutput, Shutdown, Step, StepDone, ToWorker
+from dsuf.ipc.ring import Channel, Doorbell, Ring
+from dsuf.model.layers import Numerics
+from dsuf.model.state import SequenceState
+from dsuf.worker.sampling import Sampler
+
+log = logging.getLogger("dsuf.worker")
+
+
+class Worker:
+    def __init__(self, model, num: Numerics) -> None:
+        self.model = model
+        self.num = num
+        self.states: dict[int, SequenceState] = {}
+        self.samplers: dict[int, Sampler] = {}
+
+    def run_step(self, step: Step) -> StepDone:
+        began = time.perf_counter()
+        for seq in step.release:
+            self.states.pop(seq, None)
+            self.samplers.pop(seq, None)
+        outputs = []
+        for work in step.work:
+            try:
+                if work.params is not None:
+                    self.states[work.seq] = self.model.new_state(self.num)
+                    self.samplers[work.seq] = Sampler(work.params, self.model.config.vocab_size)
+                logits = self.model.forward(torch.tensor(work.tokens, dtype=torch.int64), self.states[work.seq], self.num)
+                choice = self.samplers[work.seq].sample(logits[-1]) if work.sample else None
+                outputs.append(SeqOutput(work.seq, choice=choice))
+            except Exception as exc:  # one bad sequence must not take the others down
+                log.exception("sequence %d failed", work.seq)
+                self.states.pop(work.seq, None)
+                self.samplers.pop(work.seq, None)
+                outputs.append(SeqOutput(work.seq, error=f"{type(exc).__name__}: {exc}"))
+        return StepDone(step.step, outputs, time.perf_counter() - began)
+
+
+def serve(args: argparse.Namespace) -> int:
+    inbox = Channel(Ring.attach(args.inbox), Doorbell.from_fd(args.inbox_fd), ToWorker)
+    outbox = Channel(Ring.attach(args.outbox), Doorbell.from_fd(args.outbox_fd), FromWorker)
+    parent = os.getppid()
+    try:
+        from dsuf.model import load_model
+
+        torch.set_num_threads(args.threads)
+        began = time.perf_counter()
+        model = load_model(args.ckpt)
+        num = Numerics.parse(args.numerics)
+        worker = Worker(model, num)
+        c = model.config
+        outbox.send(Ready(model=c.name, vocab_size=c.vocab_size, eos_token_id=c.eos_token_id, load_seconds=time.perf_counter() - began))
+    except Exception as exc:
+        outbox.send(Fatal(f"loading {args.ckpt} failed: {type(exc).__name__}: {exc}"))
+        raise
+    while True:
+        msg = inbox.recv(timeout=1.0)
+        if msg is None:
+            if os.getppid() != parent:  # the front end is gone: nobody to serve
+                return 0
+            continue
+        if isinstance(msg, Shutdown):
+            return 0
+        outbox.send(worker.run_step(msg))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="dsuf-worker")
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--numerics", default="reference")
+    parser.add_argument("--inbox", required=True)
+    parser.add_argument("--inbox-fd", type=int, required=True)
+    parser.add_argument("--outbox", required=True)
+    parser.add_argument("--outbox-fd", type=int, required=True)
+    parser.add_argument("--threads", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    sys.exit(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Continuous batching bookkeeping: admission, chunked prefill, decode, finishing, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dsuf.engine.scheduler import ErrorEvent, FinishEvent, QueueFull, Request, Scheduler, TokenEvent
+from dsuf.ipc.messages import SeqOutput, StepDone
+from dsuf.worker.sampling import SamplingParams, TokenChoice
+
+EOS = 1
+
+
+@pytest.fixture(autouse=True)
+def event_loop_for_queues():
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield
+    loop.close()
+
+
+def request(prompt_len: int = 5, max_tokens: int = 10) -> Request:
+    return Request(list(range(10, 10 + prompt_len)), SamplingParams(temperature=0.0), max_tokens)
+
+
+def answer(step, tokens: dict[int, int]) -> StepDone:
+    """The worker's reply: the given token for each sequence that asked to sample."""
+    outs = [SeqOutput(w.seq, TokenChoice(tokens.get(w.seq, 7), -0.5) if w.sample else None) for w in step.work]
+    return StepDone(step.step, outs, 0.0)
+
+
+def events(req: Request) -> list:
+    out = []
+    while not req.events.empty():
+        out.append(req.events.get_nowait())
+    return out
+
+
+def test_waiting_queue_is_bounded():
+    s = Scheduler(max_batch=2, max_waiting=2, prefill_budget=100, eos_token_id=EOS)
+    s.add(request())
+    s.add(request())
+    with pytest.raises(QueueFull):
+        s.add(request())
+
+
+def test_admission_stops_at_max_batch_and_resumes_when_a_slot_frees():
+    s = Scheduler(max_batch=2, max_waiting=10, prefill_budget=100, eos_token_id=EOS)
+    reqs = [request() for _ in range(3)]
+    for r in reqs:
+        s.add(r)
+    step = s.plan()
+    assert [w.seq for w in step.work] == [reqs[0].id, reqs[1].id]
+    assert all(w.params is not None and w.sample for w in step.work)  # first work carries the params
+    s.on_done(answer(step, {}))
+    s.finish(reqs[0])
+    step = s.plan()
+    assert step.release == [reqs[0].id]
+    assert {w.seq for w in step.work} == {reqs[1].id, reqs[2].id}
+
+
+def test_long_prompts_prefill_in_chunks_without_stalling_decodes():
+    s = Scheduler(max_batch=4, max_waiting=10, prefill_budget=256, eos_token_id=EOS)
+    short, long = request(4), request(600)
+    s.add(short)
+    s.on_done(answer(s.plan(), {}))  # short prompt prefilled, first token pending
+    s.add(long)
+    chunks = []
+    for _ in range(3):
+        step = s.plan()
+        by_seq = {w.seq: w for w in step.work}
+        assert by_seq[short.id].tokens == [7] and by_seq[short.id].sample  # the decode goes on every step
+        chunks.append(len(by_seq[long.id].tokens))
+        assert by_seq[long.id].sample == (sum(chunks) == 600)
+        s.on_done(answer(step, {}))
+    assert chunks == [256, 256, 88]  # the prefill budget is for prompt tokens; decodes come on top
+
+
+def test_tokens_flow_to_the_request_until_eos_or_max_tokens():
+    s = Scheduler(max_batch=4, max_waiting=10, prefill_budget=100, eos_token_id=EOS)
+    a, b = request(max_tokens=3), request(max_tokens=10)
+    s.add(a)
+    s.add(b)
+    for tokens in ({a.id: 5, b.id: 6}, {a.id: 5, b.id: EOS}, {a.id: 5}):
+        s.on_done(answer(s.plan(), tokens))
+    assert [type(e) for e in events(a)] == [TokenEvent, TokenEvent, TokenEvent, FinishEvent]
+    got_b = events(b)
+    assert [type(e) for e in got_b] == [TokenEvent, FinishEvent] and got_b[-1].reason == "stop"  # EOS is not a token
+    step = s.plan()
+    assert step is not None and not step.work and step.release == [a.id]  # b was released a step earlier
+    assert s.plan() is None
+
+
+def test_a_failed_sequence_gets_an_error_and_the_others_continue():
+    s = Scheduler(max_batch=4, max_waiting=10, prefill_budget=100, eos_token_id=EOS)
+    a, b = request(), request()
+    s.add(a)
+    s.add(b)
+    step = s.plan()
+    s.on_done(StepDone(step.step, [SeqOutput(a.id, error="boom"), SeqOutput(b.id, TokenChoice(9, -1.0))], 0.0))
+    assert isinstance(events(a)[0], ErrorEvent)
+    assert [w.seq for w in s.plan().work] == [b.id]
+
+
+def test_fail_all_ends_every_request_with_503():
+    s = Scheduler(max_batch=1, max_waiting=10, prefill_budget=100, eos_token_id=EOS)
+    a, b = request(), request()
+    s.add(a)
+    s.add(b)
+    s.plan()
+    s.fail_all(503, "worker died")
+    for r in (a, b):
+        (e,) = events(r)
+        assert isinstance(e, ErrorEvent) and e.status == 503
+    assert not s.running and not s.waiting
