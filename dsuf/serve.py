@@ -73,6 +73,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt("prefill-chunk", 256, "prompt tokens prefilled per step", int)
     opt("numerics", "reference", "reference or exact")
     opt("grace", 30.0, "seconds SIGTERM waits for running requests", float)
+    p.add_argument("--test-hooks", action="store_true", default=env("DSUF_TEST_HOOKS") == "1",
+                   help="accept dsuf_forced_tokens in requests, for tests (env DSUF_TEST_HOOKS=1)")
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -90,7 +92,7 @@ async def serve(args: argparse.Namespace) -> int:
     tokenizer = Path(args.tokenizer) if args.tokenizer else (ckpt / "tokenizer.json" if (ckpt / "tokenizer.json").is_file() else default_tokenizer())
     max_len = args.max_model_len or (EMBEDDED_MAX_MODEL_LEN if not args.ckpt else config.max_seq_len)
     log.info("kernels: none to build on the CPU reference path")
-    chat = ChatFrontend(tokenizer, served_name=args.served_name or config.name, context_limit=max_len, family="v4")
+    chat = ChatFrontend(tokenizer, served_name=args.served_name or config.name, context_limit=max_len, family="v4", test_hooks=args.test_hooks)
     engine = Engine(EngineConfig(str(ckpt), args.numerics, args.max_batch, args.max_waiting, args.prefill_chunk))
     state = ServerState(api_key=args.api_key)
     app = create_app(engine, chat, state)

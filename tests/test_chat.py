@@ -392,3 +392,14 @@ def test_stream_misuse(fe):
         s.finish("exploded")
     s.close()
     assert s.finished and s.push_tokens([1000]) == [] and s.finish("stop") == []
+
+
+def test_forced_tokens_are_a_test_hook_off_by_default():
+    from dsuf.serve import default_tokenizer
+
+    body = {"model": "deepseek-v4-flash", "messages": [{"role": "user", "content": "hi"}], "dsuf_forced_tokens": [5, 6]}
+    with pytest.raises(ChatError) as info:
+        ChatFrontend(default_tokenizer(), "tiny", 1024).prepare(dict(body))
+    assert info.value.status == 400 and "--test-hooks" in info.value.message
+    prepared = ChatFrontend(default_tokenizer(), "tiny", 1024, test_hooks=True).prepare(dict(body))
+    assert prepared.forced_tokens == [5, 6]

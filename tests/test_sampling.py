@@ -319,3 +319,16 @@ def test_no_finite_logit_is_an_error_not_a_token():
         Sampler(SamplingParams(temperature=0.0), 3).sample(torch.full((3,), math.nan))
     with pytest.raises(ValueError, match="not finite"):
         Sampler(SamplingParams(temperature=0.0, logit_bias={0: -math.inf, 1: -math.inf, 2: -math.inf}), 3).sample(torch.zeros(3))
+
+
+def test_forced_tokens_come_first_then_sampling_resumes():
+    """The test hook behind dsuf_forced_tokens: the listed ids are emitted in order, with their
+    real log-probabilities, and counted for penalties; then the sampler picks as usual."""
+    logits = torch.tensor([0.0, 5.0, 1.0, 2.0])
+    sampler = Sampler(SamplingParams(temperature=0.0, forced=[3, 0]), vocab_size=4)
+    picks = [sampler.sample(logits) for _ in range(3)]
+    assert [c.token for c in picks] == [3, 0, 1]
+    assert picks[0].logprob == pytest.approx(float(torch.log_softmax(logits, -1)[3]))
+    assert sampler.num_generated == 3
+    with pytest.raises(ValueError, match="forced"):
+        Sampler(SamplingParams(forced=[4]), vocab_size=4)

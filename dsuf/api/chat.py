@@ -128,6 +128,7 @@ class PreparedChat:
     stop: list[str]
     thinking: bool
     logit_bias: dict[int, float] = field(default_factory=dict)
+    forced_tokens: list[int] | None = None  # test hook, see ChatFrontend._forced_tokens
     created: int = 0
     _conversion: Any = field(default=None, repr=False, compare=False)
     _tokenizer: Any = field(default=None, repr=False, compare=False)
@@ -236,7 +237,9 @@ def _f32_clean(x: float | None) -> float | None:
 class ChatFrontend:
     """Turns chat-completions request bodies into `PreparedChat`s for one served model."""
 
-    def __init__(self, tokenizer_json: str | Path, served_name: str, context_limit: int, family: str = "v4") -> None:
+    def __init__(
+        self, tokenizer_json: str | Path, served_name: str, context_limit: int, family: str = "v4", test_hooks: bool = False
+    ) -> None:
         if family not in _FAMILIES:
             raise ValueError(f"unknown model family {family!r} (expected one of {sorted(_FAMILIES)})")
         if context_limit < 1:
@@ -245,6 +248,7 @@ class ChatFrontend:
         version, encoding_cls = _FAMILIES[family]
         self.info = ModelInfo(served_name, family)
         self.context_limit = context_limit
+        self.test_hooks = test_hooks
         stat = path.stat()
         self._tokenizer, self.vocab_size = _load_tokenizer(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
         self._encoding = encoding_cls().with_tokenizer(self._tokenizer)
@@ -273,6 +277,7 @@ class ChatFrontend:
         if req.get("max_tokens") is None and req.get("max_completion_tokens") is not None:
             req["max_tokens"] = req["max_completion_tokens"]
         logit_bias = self._logit_bias(req.get("logit_bias"))
+        forced = self._forced_tokens(req.pop("dsuf_forced_tokens", None))
 
         try:
             conv = dr.ChatCompletionRequest(req).convert(self._options)
@@ -313,6 +318,7 @@ class ChatFrontend:
             stop=list(conv.parsing_options.stop_sequences),
             thinking=thinking,
             logit_bias=logit_bias,
+            forced_tokens=forced,
             created=int(time.time()),
             _conversion=conv,
             _tokenizer=self._tokenizer,
@@ -329,6 +335,17 @@ class ChatFrontend:
         if not isinstance(body, dict):
             raise ChatError(400, "the request body must be a JSON object")
         return dict(body)
+
+    def _forced_tokens(self, raw: Any) -> list[int] | None:
+        """Test hook (`--test-hooks`): the answer begins with these token ids, whatever the model
+        says, so tests can drive the production parser with real DSML or stop text."""
+        if raw is None:
+            return None
+        if not self.test_hooks:
+            raise ChatError(400, "dsuf_forced_tokens needs a server started with --test-hooks", param="dsuf_forced_tokens")
+        if not isinstance(raw, list) or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in raw):
+            raise ChatError(400, "dsuf_forced_tokens must be a list of token ids", param="dsuf_forced_tokens")
+        return raw
 
     def _logit_bias(self, raw: Any) -> dict[int, float]:
         """OpenAI logit_bias {"token id": bias in [-100, 100]}; the recipe accepts and drops it."""

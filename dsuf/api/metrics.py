@@ -17,6 +17,11 @@ class Metrics:
         self.generation_tokens = Counter("dsuf:generation_tokens", "Tokens generated", registry=r)
         self.cache_hit_tokens = Counter("dsuf:prompt_cache_hit_tokens", "Prompt tokens served from a conversation cache", registry=r)
         self.ttft = Histogram("dsuf:time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.steps = Counter("dsuf:steps", "Steps the worker ran", registry=r)
+        self.step_model_seconds = Counter("dsuf:step_model_seconds", "Worker-side time of the steps", registry=r)
+        self.step_roundtrip_seconds = Counter(
+            "dsuf:step_roundtrip_seconds", "Front-end time from sending a step to handling its result", registry=r
+        )
         self.itl = Histogram("dsuf:inter_token_latency_seconds", "Time between tokens of a stream", buckets=_LATENCY_BUCKETS, registry=r)
 
     def render(self) -> tuple[bytes, str]:

@@ -70,7 +70,8 @@ def sampling_params(p: PreparedChat) -> SamplingParams:
         presence_penalty=p.presence_penalty,
         logprobs=p.logprobs,
         top_logprobs=p.top_logprobs or 0,
-        logit_bias=p.logit_bias,
+        logit_bias=p.logit_bias or None,
+        forced=p.forced_tokens,
     )
 
 
@@ -195,7 +196,15 @@ async def metrics_route(request: web.Request) -> web.Response:
 
 def create_app(engine: Engine, chat: ChatFrontend, state: ServerState, max_body: int = 16 << 20) -> web.Application:
     app = web.Application(client_max_size=max_body, middlewares=[errors_as_openai_bodies, bearer_auth])
-    app[ENGINE], app[CHAT], app[STATE], app[METRICS] = engine, chat, state, Metrics()
+    metrics = Metrics()
+    app[ENGINE], app[CHAT], app[STATE], app[METRICS] = engine, chat, state, metrics
+
+    def count_step(done, roundtrip: float) -> None:
+        metrics.steps.inc()
+        metrics.step_model_seconds.inc(done.seconds)
+        metrics.step_roundtrip_seconds.inc(roundtrip)
+
+    engine.on_step = count_step
     for prefix in ("/v1", ""):
         app.router.add_post(f"{prefix}/chat/completions", chat_completions)
         app.router.add_get(f"{prefix}/models", list_models)

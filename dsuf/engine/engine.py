@@ -12,6 +12,8 @@ import asyncio
 import logging
 import signal
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dsuf.engine.scheduler import QueueFull, Request, Scheduler
@@ -42,7 +44,7 @@ class Engine:
         self.info: Ready | None = None
         self.scheduler: Scheduler | None = None
         self.failure: str | None = None
-        self.model_seconds = 0.0  # worker-side time spent in steps (for overhead accounting)
+        self.on_step: Callable[[StepDone, float], None] | None = None  # (result, round-trip seconds)
         self._wakeup = asyncio.Event()
         self._step_done: asyncio.Future | None = None
         self._proc: asyncio.subprocess.Process | None = None
@@ -137,10 +139,12 @@ class Engine:
                 await self._wakeup.wait()
                 continue
             self._step_done = loop.create_future()
+            sent = time.perf_counter()
             self.to_worker.send(step)
             done: StepDone = await self._step_done
-            self.model_seconds += done.seconds
             self.scheduler.on_done(done)
+            if self.on_step is not None:
+                self.on_step(done, time.perf_counter() - sent)
 
     async def _supervise(self) -> None:
         code = await self._proc.wait()

@@ -45,6 +45,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     logprobs: bool = False  # informational: TokenChoice.logprob is always filled in
     top_logprobs: int = 0  # 0..20: TokenChoice.top holds this many (token, logprob) pairs
     logit_bias: dict[int, float] | None = None  # token -> added to its logit before anything else; -inf bans it
+    forced: list[int] | None = None  # test hook: emit these tokens first, in order, then sample as usual
 
     def __post_init__(self) -> None:
         self.validate()
@@ -65,6 +66,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if any(t < 0 for t in self.forced or ()):
+            raise ValueError("forced token ids must be >= 0")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0:
                 raise ValueError(f"logit_bias token ids must be >= 0, got {token!r}")
@@ -98,9 +101,9 @@ class Sampler:
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         bias = params.logit_bias or {}
-        bad = [t for t in bias if t >= vocab_size]
+        bad = [t for t in [*bias, *(params.forced or ())] if t >= vocab_size]
         if bad:
-            raise ValueError(f"logit_bias token ids must be < vocab_size {vocab_size}, got {sorted(bad)}")
+            raise ValueError(f"logit_bias and forced token ids must be < vocab_size {vocab_size}, got {sorted(bad)}")
         self.params = params
         self.vocab_size = vocab_size
         self.seed: int = params.seed if params.seed is not None else secrets.randbits(63)
@@ -162,7 +165,9 @@ class Sampler:
         p = self.params
         x = self.processed_logits(logits)
         logprobs = torch.log_softmax(x, dim=-1)
-        if self.greedy:
+        if p.forced and self.num_generated < len(p.forced):
+            token = p.forced[self.num_generated]
+        elif self.greedy:
             token = int(torch.argmax(x))  # first maximum: ties go to the lowest id
         else:
             scaled = x / p.temperature
@@ -182,7 +187,7 @@ class Sampler:
                     probs = probs.masked_fill(drop, 0.0)
                 token = int(ids[torch.multinomial(probs, 1, generator=self._generator)])
         logprob = float(logprobs[token])
-        if not math.isfinite(logprob):  # every logit -inf, or NaN from the model
+        if not math.isfinite(logprob) and not p.forced:  # every logit -inf, or NaN from the model
             raise ValueError(f"no valid token to sample: processed logits are not finite (picked {token}, logprob {logprob})")
         top = None
         if p.top_logprobs:
