@@ -110,3 +110,27 @@ def test_a_state_serves_only_the_numerics_it_was_made_for(model):
     state = model.new_state(REFERENCE)
     with pytest.raises(ValueError, match="bfloat16"):
         model.forward(tokens(3), state, EXACT)
+
+
+def test_last_only_logits_are_the_last_row_of_the_full_logits(model):
+    seq = tokens(13)
+    full = model.forward(seq, model.new_state(REFERENCE), REFERENCE)
+    last = model.forward(seq, model.new_state(REFERENCE), REFERENCE, last_only=True)
+    assert last.shape == (1, full.shape[1]) and torch.equal(last[0], full[-1])
+
+
+def test_a_batch_of_sequences_gets_the_logits_each_would_get_alone(model):
+    """forward_batch runs the row-wise work of several sequences together; the reference path is
+    batch-invariant, so prompts, chunks and decodes mixed in one call change nothing."""
+    seqs = [tokens(n, seed=s) for n, s in ((9, 1), (1, 2), (17, 3))]
+    for num in (EXACT, REFERENCE):
+        alone = []
+        for seq in seqs:
+            state = model.new_state(num)
+            model.forward(seq[:5], state, num)
+            alone.append(model.forward(seq[5:] if seq.shape[0] > 5 else seq[-1:], state, num, last_only=True))
+        states = [model.new_state(num) for _ in seqs]
+        model.forward_batch([(seq[:5], st) for seq, st in zip(seqs, states)], num)
+        together = model.forward_batch([(seq[5:] if seq.shape[0] > 5 else seq[-1:], st) for seq, st in zip(seqs, states)], num)
+        for a, b in zip(alone, together):
+            assert torch.equal(a, b)

@@ -7,10 +7,13 @@ format), so one loaded model can run either numerics mode:
 - `reference`: DeepSeek's numerics — per-block FP8 activation quantisation before FP8/FP4 linears
   (W8A8/W4A8 with fp32 accumulation and bf16 output), fake-quantised caches, bf16 between modules.
 
-Batch invariance: every reduction (matmuls, norms, softmax sums) accumulates in float64 and is
-rounded to float32 where the reference holds an fp32 value. A row's result then no longer depends
-on how many other rows share the call, so prefill, chunked prefill and decode give the same
-numbers, and FP8 rounding cannot amplify accumulation-order noise into different outputs.
+Batch invariance: every reduction (matmuls, norms, softmax sums) accumulates in float64, and
+every transcendental function (exp, sigmoid, silu, softplus, cos, sin) is evaluated in float64 —
+CPU kernels compute the vectorised body and the scalar tail of a tensor differently — then the
+result is rounded to float32 where the reference holds an fp32 value. A row's result then does
+not depend on which other rows share the call, so prefill, chunked prefill, decode and any mix
+of sequences in one batch give the same numbers, and FP8 rounding cannot amplify
+accumulation-order noise into different outputs.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ ACC = torch.float64  # accumulation dtype of the reference path (see the module 
 def acc_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ wᵀ accumulated in float64 (w already float64), rounded to float32."""
     return F.linear(x.to(ACC), w).float()
+
+
+def f64(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) evaluated in float64, rounded to float32 (see the module docstring)."""
+    return fn(x.to(ACC)).float()
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,7 @@ class Rope:
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = torch.outer(positions.to(torch.float32), self.freqs)
-        return angles.cos(), angles.sin()
+        return f64(torch.cos, angles), f64(torch.sin, angles)
 
     def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], inverse: bool = False) -> torch.Tensor:
         """Rotate x[..., -dim:]; x is [T, ..., C] and cos/sin are [T, dim/2]."""
@@ -147,8 +155,8 @@ class HyperConnection:
         """pre [T, n], post [T, n] and the doubly-stochastic comb [T, n, n] (Sinkhorn, fp32)."""
         n = x.shape[1]
         mix = self.mixes(x, norm_eps)
-        pre = torch.sigmoid(mix[:, :n] * self.scale[0] + self.base[:n]) + hc_eps
-        post = 2 * torch.sigmoid(mix[:, n : 2 * n] * self.scale[1] + self.base[n : 2 * n])
+        pre = f64(torch.sigmoid, mix[:, :n] * self.scale[0] + self.base[:n]) + hc_eps
+        post = 2 * f64(torch.sigmoid, mix[:, n : 2 * n] * self.scale[1] + self.base[n : 2 * n])
         logits = (mix[:, 2 * n :] * self.scale[2] + self.base[2 * n :]).view(-1, n, n)
         comb = torch.softmax(logits.to(ACC), dim=-1) + hc_eps
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
@@ -182,8 +190,8 @@ def sink_attention(
     scores = torch.einsum("thd,ld->thl", q.to(ACC), k).float() * scale
     scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
     peak = scores.amax(dim=-1, keepdim=True)
-    probs = torch.exp(scores - peak)
-    denom = probs.to(ACC).sum(dim=-1).float() + torch.exp(sink.unsqueeze(0) - peak.squeeze(-1))
+    probs = f64(torch.exp, scores - peak)
+    denom = probs.to(ACC).sum(dim=-1).float() + f64(torch.exp, sink.unsqueeze(0) - peak.squeeze(-1))
     if num.quantize:
         probs = probs.to(num.dtype)
     out = torch.einsum("thl,ld->thd", probs.to(ACC), k).float() / denom.unsqueeze(-1)
@@ -209,7 +217,7 @@ class Expert:
         if self.limit > 0:
             up = up.clamp(-self.limit, self.limit)
             gate = gate.clamp(max=self.limit)
-        h = F.silu(gate) * up
+        h = f64(F.silu, gate) * up
         if weight is not None:
             h = weight * h
         return self.w2(h.to(num.dtype), num)
@@ -229,7 +237,7 @@ class MoE:
     route_scale: float
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.softplus(acc_matmul(x, self.gate)).sqrt()
+        scores = f64(lambda z: F.softplus(z).sqrt(), acc_matmul(x, self.gate))
         if self.tid2eid is not None:
             idx = self.tid2eid[ids]
         else:

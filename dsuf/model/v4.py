@@ -13,12 +13,14 @@ chunks of any size and token-by-token decode are the same computation:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from . import quant
 from .config import ModelConfig
-from .layers import ACC, Expert, HyperConnection, Linear, MoE, Numerics, Rope, acc_matmul, hc_collapse, hc_expand, rms_norm, sink_attention
+from .layers import ACC, Expert, f64, HyperConnection, Linear, MoE, Numerics, Rope, acc_matmul, hc_collapse, hc_expand, rms_norm, sink_attention
 from .state import CompressorState, LayerState, SequenceState
 
 KV_FP8_BLOCK = 64  # window / compressed KV entries: FP8 on the nope dims, one scale per 64
@@ -29,6 +31,19 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores per row (the indexer's selection); equal scores go to the
     lower index, so the choice never depends on the batch a row is computed in."""
     return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+@dataclass
+class Segment:
+    """The rows of one sequence inside a batched call, and that sequence's state for one layer."""
+
+    rows: slice
+    start: int  # position of the first row
+    layer_state: LayerState
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.start, self.start + self.rows.stop - self.rows.start)
 
 
 class Weights:
@@ -185,13 +200,15 @@ class Attention:
         self.compressor = Compressor(w, f"{prefix}.compressor", ratio, c.head_dim, self.rope, rotate=False) if ratio else None
         self.indexer = Indexer(w, f"{prefix}.indexer", self.rope) if ratio == 4 else None
 
-    def __call__(self, x: torch.Tensor, start: int, st: LayerState, num: Numerics) -> torch.Tensor:
-        c, T, W = self.c, x.shape[0], self.window
-        positions = torch.arange(start, start + T)
+    def __call__(self, x: torch.Tensor, segments: list[Segment], num: Numerics) -> torch.Tensor:
+        """x holds the new rows of every sequence in the batch; the projections run on all rows at
+        once, the attention proper on each sequence's rows against its own state."""
+        c = self.c
+        positions = torch.cat([seg.positions for seg in segments])
         cos_sin = self.rope.cos_sin(positions)
 
         qr = rms_norm(self.wq_a(x, num), self.q_norm, c.norm_eps)
-        q = self.wq_b(qr, num).view(T, self.n_heads, self.head_dim)
+        q = self.wq_b(qr, num).view(x.shape[0], self.n_heads, self.head_dim)
         q = rms_norm(q, None, c.norm_eps)  # unweighted, per head
         q = self.rope.apply(q, cos_sin)
 
@@ -200,8 +217,20 @@ class Attention:
         if num.quantize:
             kv = _fp8_kv(kv, c.rope_head_dim)
 
-        # Window keys: up to W−1 earlier positions from the ring, then this chunk.
-        earlier = torch.arange(max(0, start - (W - 1)), start)
+        o = torch.cat([
+            self._attend(seg, x[seg.rows], qr[seg.rows], q[seg.rows], kv[seg.rows], (cos_sin[0][seg.rows], cos_sin[1][seg.rows]), num)
+            for seg in segments
+        ])
+        o = self.rope.apply(o, cos_sin, inverse=True)
+        groups = o.reshape(x.shape[0], c.o_groups, -1)
+        wo_a = self.wo_a.weight.view(c.o_groups, c.o_lora_rank, -1)
+        o = torch.einsum("tgd,grd->tgr", groups.to(ACC), wo_a).float().to(num.dtype)
+        return self.wo_b(o.flatten(1), num)
+
+    def _attend(self, seg: Segment, x, qr, q, kv, cos_sin, num: Numerics) -> torch.Tensor:
+        """One sequence: window keys from its ring plus this chunk, its compressed entries, sinks."""
+        st, start, positions, W = seg.layer_state, seg.start, seg.positions, self.window
+        earlier = torch.arange(max(0, start - (W - 1)), start)  # up to W−1 earlier positions
         keys = torch.cat((st.window[earlier % W], kv))
         key_pos = torch.cat((earlier, positions))
         mask = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - W)
@@ -218,13 +247,7 @@ class Attention:
                 chosen = torch.arange(st.compressed.shape[0])[None, :] < ((positions + 1) // self.ratio)[:, None]
             keys = torch.cat((keys, st.compressed))
             mask = torch.cat((mask, chosen), dim=1)
-
-        o = sink_attention(q, keys, mask, self.sink, self.head_dim**-0.5, num)
-        o = self.rope.apply(o, cos_sin, inverse=True)
-        groups = o.reshape(T, c.o_groups, -1)
-        wo_a = self.wo_a.weight.view(c.o_groups, c.o_lora_rank, -1)
-        o = torch.einsum("tgd,grd->tgr", groups.to(ACC), wo_a).float().to(num.dtype)
-        return self.wo_b(o.flatten(1), num)
+        return sink_attention(q, keys, mask, self.sink, self.head_dim**-0.5, num)
 
 
 class Block:
@@ -254,11 +277,11 @@ class Block:
             route_scale=c.route_scale,
         )
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, start: int, st: LayerState, num: Numerics) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, segments: list[Segment], num: Numerics) -> torch.Tensor:
         c = self.c
         pre, post, comb = self.hc_attn.coefficients(x, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
         y = rms_norm(hc_collapse(x, pre), self.attn_norm, c.norm_eps)
-        x = hc_expand(self.attn(y, start, st, num), x, post, comb)
+        x = hc_expand(self.attn(y, segments, num), x, post, comb)
         pre, post, comb = self.hc_ffn.coefficients(x, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
         y = rms_norm(hc_collapse(x, pre), self.ffn_norm, c.norm_eps)
         return hc_expand(self.ffn(y, ids, num), x, post, comb)
@@ -271,7 +294,7 @@ class HyperHead:
         self.site = HyperConnection(*(w.float(f"{prefix}_{k}") for k in ("fn", "base", "scale")))
 
     def __call__(self, x: torch.Tensor, norm_eps: float, hc_eps: float) -> torch.Tensor:
-        pre = torch.sigmoid(self.site.mixes(x, norm_eps) * self.site.scale + self.site.base) + hc_eps
+        pre = f64(torch.sigmoid, self.site.mixes(x, norm_eps) * self.site.scale + self.site.base) + hc_eps
         return hc_collapse(x, pre)
 
 
@@ -314,21 +337,45 @@ class V4Model:
 
     @torch.inference_mode()
     def forward(
-        self, tokens: torch.Tensor, state: SequenceState, num: Numerics, return_streams: bool = False
+        self, tokens: torch.Tensor, state: SequenceState, num: Numerics, return_streams: bool = False, last_only: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Feed `tokens` [T] at positions state.pos …; return float32 logits [T, vocab]
-        (and the final residual streams [T, hc, D], the MTP layer's input)."""
-        if state.dtype != num.dtype:
-            raise ValueError(f"state holds {state.dtype} activations, numerics asks for {num.dtype}")
-        c = self.config
-        start = state.pos
-        x = self.embed[tokens].to(num.dtype)
-        x = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
-        for block, layer_state in zip(self.layers, state.layers):
-            x = block(x, tokens, start, layer_state, num)
-        state.pos += tokens.shape[0]
-        logits = self._logits(x, self.hc_head, self.norm)
+        """Feed `tokens` [T] at positions state.pos …; return float32 logits [T, vocab] ([1, vocab]
+        with `last_only`, all a sampler needs) and optionally the final residual streams
+        [T, hc, D], the MTP layer's input."""
+        (logits,), x = self._forward([(tokens, state)], num, last_only)
         return (logits, x) if return_streams else logits
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, batch: list[tuple[torch.Tensor, SequenceState]], num: Numerics, last_only: bool = True
+    ) -> list[torch.Tensor]:
+        """Several sequences in one call (each with its own new tokens and state). Every row-wise
+        computation runs on all rows together; the reference path is batch-invariant, so each
+        sequence gets exactly the logits `forward` would give it alone."""
+        return self._forward(batch, num, last_only)[0]
+
+    def _forward(self, batch: list[tuple[torch.Tensor, SequenceState]], num: Numerics, last_only: bool):
+        c = self.config
+        offsets, segments_of = 0, []
+        for tokens, state in batch:
+            if state.dtype != num.dtype:
+                raise ValueError(f"state holds {state.dtype} activations, numerics asks for {num.dtype}")
+            segments_of.append((slice(offsets, offsets + tokens.shape[0]), state))
+            offsets += tokens.shape[0]
+        ids = torch.cat([tokens for tokens, _ in batch])
+        x = self.embed[ids].to(num.dtype)
+        x = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        for i, block in enumerate(self.layers):
+            segments = [Segment(rows, state.pos, state.layers[i]) for rows, state in segments_of]
+            x = block(x, ids, segments, num)
+        for rows, state in segments_of:
+            state.pos += rows.stop - rows.start
+        if last_only:
+            picked = torch.tensor([rows.stop - 1 for rows, _ in segments_of])
+            logits = self._logits(x[picked], self.hc_head, self.norm)
+            return list(logits.split(1)), x
+        logits = self._logits(x, self.hc_head, self.norm)
+        return [logits[rows] for rows, _ in segments_of], x
 
     @torch.inference_mode()
     def mtp_forward(
@@ -340,5 +387,5 @@ class V4Model:
         e = rms_norm(self.embed[next_tokens].to(num.dtype), mtp.enorm, c.norm_eps)
         h = rms_norm(streams, mtp.hnorm, c.norm_eps)
         x = mtp.e_proj(e, num).unsqueeze(1) + mtp.h_proj(h, num)
-        x = mtp.block(x, next_tokens, start, state.mtp[depth], num)
+        x = mtp.block(x, next_tokens, [Segment(slice(0, x.shape[0]), start, state.mtp[depth])], num)
         return self._logits(x, mtp.hc_head, mtp.norm)

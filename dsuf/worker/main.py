@@ -32,25 +32,47 @@ class Worker:
         self.samplers: dict[int, Sampler] = {}
 
     def run_step(self, step: Step) -> StepDone:
+        """Run every sequence of the step in one batched forward, then sample each."""
         began = time.perf_counter()
         for seq in step.release:
-            self.states.pop(seq, None)
-            self.samplers.pop(seq, None)
-        outputs = []
+            self._drop(seq)
+        outputs: list[SeqOutput] = []
+        runnable = []
         for work in step.work:
-            try:
+            try:  # check each sequence's input first, so one bad request cannot poison the batch
                 if work.params is not None:
                     self.states[work.seq] = self.model.new_state(self.num)
                     self.samplers[work.seq] = Sampler(work.params, self.model.config.vocab_size)
-                logits = self.model.forward(torch.tensor(work.tokens, dtype=torch.int64), self.states[work.seq], self.num)
-                choice = self.samplers[work.seq].sample(logits[-1]) if work.sample else None
+                if work.seq not in self.states:
+                    raise KeyError(f"sequence {work.seq} has no state")
+                vocab = self.model.config.vocab_size
+                if not work.tokens or not all(0 <= t < vocab for t in work.tokens):
+                    raise ValueError(f"tokens must be a non-empty list of ids in [0, {vocab})")
+                runnable.append(work)
+            except Exception as exc:
+                outputs.append(self._fail(work.seq, exc))
+        try:
+            batch = [(torch.tensor(w.tokens, dtype=torch.int64), self.states[w.seq]) for w in runnable]
+            logits = self.model.forward_batch(batch, self.num) if batch else []
+        except Exception as exc:  # states of this batch are no longer trustworthy: end these sequences
+            outputs += [self._fail(w.seq, exc) for w in runnable]
+            return StepDone(step.step, outputs, time.perf_counter() - began)
+        for work, row in zip(runnable, logits):
+            try:
+                choice = self.samplers[work.seq].sample(row[-1]) if work.sample else None
                 outputs.append(SeqOutput(work.seq, choice=choice))
-            except Exception as exc:  # one bad sequence must not take the others down
-                log.exception("sequence %d failed", work.seq)
-                self.states.pop(work.seq, None)
-                self.samplers.pop(work.seq, None)
-                outputs.append(SeqOutput(work.seq, error=f"{type(exc).__name__}: {exc}"))
+            except Exception as exc:
+                outputs.append(self._fail(work.seq, exc))
         return StepDone(step.step, outputs, time.perf_counter() - began)
+
+    def _drop(self, seq: int) -> None:
+        self.states.pop(seq, None)
+        self.samplers.pop(seq, None)
+
+    def _fail(self, seq: int, exc: Exception) -> SeqOutput:
+        log.exception("sequence %d failed", seq, exc_info=exc)
+        self._drop(seq)
+        return SeqOutput(seq, error=f"{type(exc).__name__}: {exc}")
 
 
 def serve(args: argparse.Namespace) -> int:
