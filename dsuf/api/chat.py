@@ -54,6 +54,7 @@ _FINISH_REASONS = {
     "content_filter": dr.InferenceFinishReason.ContentFilter,
 }
 _EOS = "<｜end▁of▁sentence｜>"
+_END_THINK = "</think>"
 
 # The data of the last SSE message of a chat-completions stream ("[DONE]").
 SSE_DONE: str = dr.ChatCompletionResponse.sse_done_data() or "[DONE]"
@@ -136,8 +137,11 @@ class PreparedChat:
     def new_stream(self) -> ChatStream:
         """A fresh recipe parser for this request's output (each call starts from scratch)."""
         generator = dr.ChatCompletionRequest.chunk_generator(self._conversion, self.request_id, self.model)
-        processor = dr.StreamProcessor(generator, self._conversion.parsing_options, self._tokenizer)
-        return ChatStream(processor, self.request_id, self.model, self.created)
+        options = self._conversion.parsing_options
+        processor = dr.StreamProcessor(generator, options, self._tokenizer)
+        thinking = options.thinking_initial_stage is not None and options.thinking_initial_stage.starts_in_reasoning()
+        end_think = self._tokenizer.encode(_END_THINK)
+        return ChatStream(processor, self.request_id, self.model, self.created, thinking, end_think[0])
 
 
 class ChatStream:
@@ -148,19 +152,29 @@ class ChatStream:
     non-stream answer from the same parse. Protocol: `start`, `push_tokens`…, `finish`, then `close`
     (always, also on errors or disconnects)."""
 
-    def __init__(self, processor: Any, request_id: str, model: str, created: int) -> None:
+    def __init__(self, processor: Any, request_id: str, model: str, created: int, thinking: bool = False, end_think_id: int = -1) -> None:
         self._processor = processor
         self._id, self._model, self._created = request_id, model, created
         self._response: Any = None
         self._closed = False
+        # The recipe derives reasoning_tokens by re-encoding the reasoning text, which need not
+        # equal what was generated; count the generated tokens before </think> ourselves.
+        self._thinking, self._end_think_id, self.reasoning_tokens = thinking, end_think_id, 0
 
     def _emit(self, chunks: list[Any]) -> list[str]:
         # to_json() first: accumulate() consumes the chunk.
         out = []
         for chunk in chunks:
-            out.append(chunk.to_json())
+            out.append(self._with_reasoning_tokens(chunk.to_json()))
             self._response.accumulate(chunk)
         return out
+
+    def _with_reasoning_tokens(self, text: str) -> str:
+        if '"reasoning_tokens"' not in text:
+            return text
+        obj = json.loads(text)
+        obj["usage"]["completion_tokens_details"]["reasoning_tokens"] = self.reasoning_tokens
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
     def start(self, prompt_tokens: int, cached_tokens: int) -> list[str]:
         """Announce the prompt (its usage feeds the final chunk); yields the role chunk."""
@@ -181,6 +195,12 @@ class ChatStream:
             raise RuntimeError("ChatStream.push_tokens() before start()")
         if self.finished or not ids:
             return []
+        for token in ids:
+            if self._thinking:
+                if token == self._end_think_id:
+                    self._thinking = False
+                else:
+                    self.reasoning_tokens += 1
         chunk = dr.InferenceChunk.tokens(list(ids), None if logprobs is None else list(logprobs))
         return self._emit(self._processor.push(chunk))
 
@@ -215,7 +235,7 @@ class ChatStream:
         """The non-stream chat.completion object accumulated from every chunk so far."""
         if self._response is None:
             raise RuntimeError("ChatStream.response_json() before start()")
-        return self._response.to_json()
+        return self._with_reasoning_tokens(self._response.to_json())
 
 
 @functools.lru_cache(maxsize=4)
@@ -283,12 +303,10 @@ class ChatFrontend:
             conv = dr.ChatCompletionRequest(req).convert(self._options)
         except dr.ConversionError as exc:
             raise ChatError.from_conversion(exc) from exc
-        except (ValueError, TypeError) as exc:  # serde errors: wrong types, unknown roles/parts
+        except (ValueError, TypeError, OverflowError) as exc:  # serde errors: wrong types, unknown roles/parts, huge ints
             raise ChatError(400, str(exc)) from exc
 
         conversation = conv.conversation
-        if any(m.image_sources for m in conversation.messages):
-            raise ChatError(400, "image inputs are not supported by this server", param="messages")
         try:
             prompt_ids = list(self._encoding.encode(conversation))
         except RuntimeError as exc:
@@ -330,7 +348,7 @@ class ChatFrontend:
         if isinstance(body, (bytes, bytearray, memoryview, str)):
             try:
                 body = json.loads(bytes(body) if not isinstance(body, str) else body)
-            except (ValueError, UnicodeDecodeError) as exc:
+            except (ValueError, UnicodeDecodeError, RecursionError) as exc:
                 raise ChatError(400, f"invalid JSON request body: {exc}") from exc
         if not isinstance(body, dict):
             raise ChatError(400, "the request body must be a JSON object")

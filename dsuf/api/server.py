@@ -7,6 +7,7 @@ status, and a client that goes away frees its batch slot at once.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -50,6 +51,11 @@ async def errors_as_openai_bodies(request: web.Request, handler):
             raise
         reason = {413: "request body too large", 404: "no such route", 405: "method not allowed"}.get(exc.status, exc.reason)
         return error_response(exc.status, f"{reason}: {request.method} {request.path}" if exc.status in (404, 405) else reason)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:  # a bug must cost one request a 500, never the server or an HTML page
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(500, "internal server error", code="internal_error")
 
 
 @web.middleware
