@@ -412,6 +412,23 @@ def test_64_concurrent_streams_each_equal_the_request_alone(server, client):
 # ------------------------------------------------------------------------------------- disconnects
 
 
+def test_loadgen_reports_latencies_throughput_and_the_front_end_overhead(server):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "loadgen"), "--url", server.url, "--streams", "4", "--max-tokens", "4", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["requests"] == 4 and 4 <= report["generated_tokens"] <= 16 and report["tokens_per_s"] > 0
+    assert report["ttft_ms"]["50"] > 0 and report["itl_ms"]["99"] >= report["itl_ms"]["50"] > 0
+    assert report["steps"] >= 4 and report["model_ms_per_step"] > 0 and report["frontend_overhead_ms_per_step"] >= 0
+    human = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "loadgen"), "--url", server.url, "--streams", "2", "--max-tokens", "3"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert "time to first token" in human.stdout and "front-end overhead" in human.stdout, human.stdout + human.stderr
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
     async def main() -> None:
         stream = await sse_stream(server.port, greedy("Tell me a very long story.", 500))
