@@ -403,3 +403,15 @@ def test_forced_tokens_are_a_test_hook_off_by_default():
     assert info.value.status == 400 and "--test-hooks" in info.value.message
     prepared = ChatFrontend(default_tokenizer(), "tiny", 1024, test_hooks=True).prepare(dict(body))
     assert prepared.forced_tokens == [5, 6]
+
+
+def test_top_k_is_an_accepted_extension_outside_thinking_mode():
+    from dsuf.serve import default_tokenizer
+
+    fe = ChatFrontend(default_tokenizer(), "tiny", 1024)
+    body = {"model": "deepseek-chat", "messages": [{"role": "user", "content": "hi"}], "top_k": 5}
+    assert fe.prepare(dict(body)).top_k == 5
+    assert fe.prepare(dict(body, model="deepseek-reasoner")).top_k == 0  # thinking mode samples at its own settings
+    with pytest.raises(ChatError) as info:
+        fe.prepare(dict(body, top_k=-1))
+    assert info.value.status == 400 and info.value.param == "top_k"

@@ -130,6 +130,7 @@ class PreparedChat:
     thinking: bool
     logit_bias: dict[int, float] = field(default_factory=dict)
     forced_tokens: list[int] | None = None  # test hook, see ChatFrontend._forced_tokens
+    top_k: int = 0  # 0: off; ignored in thinking mode like the other sampling knobs
     created: int = 0
     _conversion: Any = field(default=None, repr=False, compare=False)
     _tokenizer: Any = field(default=None, repr=False, compare=False)
@@ -298,6 +299,9 @@ class ChatFrontend:
             req["max_tokens"] = req["max_completion_tokens"]
         logit_bias = self._logit_bias(req.get("logit_bias"))
         forced = self._forced_tokens(req.pop("dsuf_forced_tokens", None))
+        top_k = req.pop("top_k", None)  # a common extension (vLLM, SGLang) the recipe does not know
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+            raise ChatError(400, f"top_k must be a non-negative integer (0 disables it), got {top_k!r}", param="top_k")
 
         try:
             conv = dr.ChatCompletionRequest(req).convert(self._options)
@@ -337,6 +341,7 @@ class ChatFrontend:
             thinking=thinking,
             logit_bias=logit_bias,
             forced_tokens=forced,
+            top_k=0 if thinking else (top_k or 0),
             created=int(time.time()),
             _conversion=conv,
             _tokenizer=self._tokenizer,

@@ -71,6 +71,7 @@ def sampling_params(p: PreparedChat) -> SamplingParams:
     return SamplingParams(
         temperature=1.0 if p.temperature is None else p.temperature,
         top_p=1.0 if p.top_p is None else p.top_p,
+        top_k=p.top_k,
         seed=p.seed,
         frequency_penalty=p.frequency_penalty,
         presence_penalty=p.presence_penalty,
