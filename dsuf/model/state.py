@@ -130,7 +130,7 @@ class SequenceState:
         if data[:8] != MAGIC:
             raise StateError("not a dsuf sequence state (bad magic)")
         (n,) = struct.unpack_from("<I", data, 8)
-        header = json.loads(data[12 : 12 + n])
+        header = json.loads(bytes(data[12 : 12 + n]))
         if header.get("version") != VERSION:
             raise StateError(f"unsupported state version {header.get('version')!r}")
         entries = header["tensors"]
