@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from dsuf.api.chat import ChatError, ChatFrontend, PreparedChat
+from dsuf.api.chat import SSE_DONE, ChatError, ChatFrontend, PreparedChat
 from dsuf.api.metrics import Metrics
 from dsuf.engine.engine import Engine, WorkerGone
 from dsuf.engine.scheduler import ErrorEvent, FinishEvent, QueueFull, Request, TokenEvent
@@ -158,7 +158,7 @@ async def _stream(request: web.Request, prepared: PreparedChat, req: Request, st
     if error is not None:
         body = {"error": {"message": error.message, "type": "server_error", "param": None, "code": "server_error"}}
         await resp.write(f"data: {json.dumps(body)}\n\n".encode())
-    await resp.write(b"data: [DONE]\n\n")
+    await resp.write(f"data: {SSE_DONE}\n\n".encode())
     await resp.write_eof()
     return resp
 
