@@ -87,10 +87,6 @@ class Engine:
         for bell in self._bells:
             bell.close()
 
-    @property
-    def worker_pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
-
     # ---- requests ------------------------------------------------------------------------------
 
     def submit(self, req: Request) -> None:

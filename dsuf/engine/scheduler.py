@@ -98,10 +98,6 @@ class Scheduler:
         self.running.clear()
         self.release.clear()
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting) or any(r.pending is not None or r.prefilling for r in self.running.values())
-
     def plan(self) -> Step | None:
         work: list[SeqWork] = []
         for req in self.running.values():
