@@ -73,6 +73,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt("prefill-chunk", 256, "prompt tokens prefilled per step", int)
     opt("numerics", "reference", "reference or exact")
     opt("grace", 30.0, "seconds SIGTERM waits for running requests", float)
+    opt("redis-url", None, "Redis of the fleet: this server holds a lease there (conversation-cache ownership)")
+    opt("server-id", None, "this server's id in the fleet; default: HOST:PORT")
     p.add_argument("--test-hooks", action="store_true", default=env("DSUF_TEST_HOOKS") == "1",
                    help="accept dsuf_forced_tokens in requests, for tests (env DSUF_TEST_HOOKS=1)")
 
@@ -102,6 +104,7 @@ async def serve(args: argparse.Namespace) -> int:
     await site.start()
     log.info("listening on http://%s:%d (model %s, context %d)", args.host, args.port, config.name, max_len)
     await engine.start()
+    directory = await join_fleet(args)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -122,8 +125,23 @@ async def serve(args: argparse.Namespace) -> int:
         engine.scheduler.fail_all(503, "the server is shutting down")
     await runner.cleanup()
     await engine.stop()
+    if directory is not None:
+        await directory.close()  # drops our lease: peers stop counting on us at once
     log.info("stopped")
     return 0
+
+
+async def join_fleet(args: argparse.Namespace):
+    """Hold this server's lease in the fleet's Redis (best effort: Redis down never stops serving)."""
+    if not args.redis_url:
+        return None
+    from dsuf.kvcache.ownership import OwnershipDirectory
+
+    server_id = args.server_id or f"{args.host}:{args.port}"
+    directory = OwnershipDirectory(args.redis_url, server_id, ctrl_addr=f"{args.host}:{args.port}", transports=[])
+    await directory.start()
+    log.info("fleet: server %s (boot %s) holds a lease in %s", server_id, directory.boot_id[:8], args.redis_url)
+    return directory
 
 
 def main(args: argparse.Namespace) -> int:
