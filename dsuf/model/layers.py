@@ -137,17 +137,21 @@ class Rope:
 
 @dataclass
 class HyperConnection:
-    """One mHC site: `fn` [(2+n)·n, n·D], `base` [(2+n)·n], `scale` [3], all float32."""
+    """One mHC site: `fn` [(2+n)·n, n·D] (held in float64 for the accumulation), `base`
+    [(2+n)·n] and `scale` [3] in float32."""
 
     fn: torch.Tensor
     base: torch.Tensor
     scale: torch.Tensor
 
+    def __post_init__(self) -> None:
+        self.fn = self.fn.to(ACC)  # once at load, not on every step
+
     def mixes(self, x: torch.Tensor, norm_eps: float) -> torch.Tensor:
         """x [T, n, D] → [T, (2+n)·n]: one RMS statistic over all n·D values, matmul first."""
         flat = x.flatten(1).to(ACC)
         rsqrt = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-        return (F.linear(flat, self.fn.to(ACC)).float() * rsqrt.float())
+        return F.linear(flat, self.fn).float() * rsqrt.float()
 
     def coefficients(
         self, x: torch.Tensor, norm_eps: float, hc_eps: float, iters: int
