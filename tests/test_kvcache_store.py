@@ -283,8 +283,22 @@ def test_replacing_a_key_frees_its_old_bytes():
     s = HostStore(1000)
     s.put("a", 1, blob(400))
     s.put("b", 1, blob(400))
-    assert s.put("a", 1, blob(600, 1)) == []  # old "a" (400) goes, 400 + 600 fits
-    assert s.get("a") == blob(600, 1) and s.bytes_used == 1000 and len(s) == 2
+    assert s.put("b", 1, blob(600, 1)) == []  # old "b" (400) goes, 400 + 600 fits
+    assert s.get("b") == blob(600, 1) and s.bytes_used == 1000 and len(s) == 2
+
+
+def test_a_fragmented_arena_evicts_until_one_run_fits():
+    # Free bytes in two runs ([0, 300) and [600, 1000)) hold 700, but 500 needs one run: the
+    # store evicts further, least recently used first, rather than moving blobs around.
+    s = HostStore(1000)
+    for k in "abc":
+        s.put(k, 1, blob(300))
+    s.get("a")  # "b" is now the least recently used
+    assert s.put("d", 1, blob(100)) == []  # [900, 1000)
+    s.drop("a")  # frees [0, 300)
+    assert s.put("e", 1, blob(400)) == ["b"]  # 300 free + "b" makes [0, 600)
+    assert s.put("f", 1, blob(500)) == ["c"]  # free: [400, 600) → evict "c" → [400, 900)
+    assert sorted(k for k, *_ in s.entries()) == ["d", "e", "f"] and s.bytes_used == 1000
 
 
 def test_leased_entries_are_not_evicted():

@@ -144,6 +144,14 @@ class _AttachedSegment:
         self._mmap.close()
 
 
+def attach_segment(name: str) -> Any:
+    """Map another process's shared-memory segment without adopting it (the creator unlinks it).
+    The result has `.name`, `.buf` and `.close()`."""
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)
+    return _AttachedSegment(name)
+
+
 class Ring:
     """SPSC ring of length-prefixed records in shared memory.
 
@@ -184,11 +192,7 @@ class Ring:
     @staticmethod
     def attach(name: str) -> Ring:
         """Map the ring another process created (FileNotFoundError once it has been unlinked)."""
-        if sys.version_info >= (3, 13):
-            shm = shared_memory.SharedMemory(name=name, track=False)
-        else:
-            shm = _AttachedSegment(name)
-        return Ring(shm, owner=False)
+        return Ring(attach_segment(name), owner=False)
 
     def try_put(self, payload: bytes) -> None:
         """Append one record, or raise RingFull / MessageTooLarge without writing anything."""

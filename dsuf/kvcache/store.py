@@ -7,6 +7,11 @@ or sent to a peer (kv_sharing.md §4.4): a pinned entry is never evicted, and on
 replaced while pinned disappears from lookups at once but keeps its bytes counted until the last
 lease ends ("free the buffer once no read lease is outstanding", §4.2 step 4).
 
+The bytes live in an `Arena` (by default a private one of `budget_bytes`; the server passes its
+shared arena, which the worker writes into and the transports send from). A snapshot made by the
+worker is stored in two steps: `reserve` evicts and allocates its region, the worker fills it, and
+`commit` makes it visible under its key (`abort` gives the region back).
+
 `longest_prefix` finds, without help from the client, the stored snapshot whose tokens are the
 longest prefix of a new prompt: it hashes the prompt once, taking the keys of exactly the prefix
 lengths present in the store.
@@ -25,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
+from .arena import Arena
 from .snapshot import PrefixHasher, token_array
 
 
@@ -48,23 +54,35 @@ class EntryInfo(NamedTuple):
 
 
 class _Entry:
-    __slots__ = ("key", "tokens", "blob", "created", "pins", "dropped")
+    __slots__ = ("key", "tokens", "offset", "blob", "created", "pins", "dropped", "meta")
 
-    def __init__(self, key: str, tokens: int, blob: bytes) -> None:
-        self.key, self.tokens, self.blob = key, tokens, blob
+    def __init__(self, key: str, tokens: int, offset: int, blob: memoryview, meta: Any) -> None:
+        self.key, self.tokens, self.offset, self.blob, self.meta = key, tokens, offset, blob, meta
         self.created = time.monotonic()
         self.pins = 0
         self.dropped = False
 
 
-class HostStore:
-    """Snapshots in host memory, at most `budget_bytes` in all (counting blobs still leased after
-    they were dropped or replaced)."""
+class Reservation(NamedTuple):
+    """A region allocated for a snapshot that is still being written; invisible to lookups."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    key: str
+    tokens: int
+    offset: int
+    view: memoryview  # writable, exactly the snapshot's size
+
+
+class HostStore:
+    """Snapshots in host memory, at most `budget_bytes` in all (counting reservations and blobs
+    still leased after they were dropped or replaced)."""
+
+    def __init__(self, budget_bytes: int, arena: Arena | None = None) -> None:
         if budget_bytes <= 0:
             raise ValueError("budget_bytes must be positive")
+        if arena is not None and arena.size < budget_bytes:
+            raise ValueError(f"the arena ({arena.size} bytes) is smaller than the budget ({budget_bytes} bytes)")
         self.budget_bytes = budget_bytes
+        self.arena = arena if arena is not None else Arena.private(budget_bytes)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._draining: dict[int, _Entry] = {}  # dropped/replaced while leased, by id()
         self._lengths: Counter[int] = Counter()  # token counts present among live entries
@@ -79,7 +97,7 @@ class HostStore:
 
     @property
     def bytes_used(self) -> int:
-        """Bytes held, including dropped entries still under lease."""
+        """Bytes held, including reservations and dropped entries still under lease."""
         return self._bytes
 
     def entries(self) -> list[EntryInfo]:
@@ -92,13 +110,26 @@ class HostStore:
         entry = self._entries.get(key)
         return entry.pins if entry else 0
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> memoryview | None:
         """The blob stored under `key` (marking it most recently used), or None."""
         entry = self._entries.get(key)
         if entry is None:
             return None
         self._entries.move_to_end(key)
         return entry.blob
+
+    def location(self, key: str) -> tuple[int, int] | None:
+        """(offset, size) of `key`'s blob in the arena, or None."""
+        entry = self._entries.get(key)
+        return (entry.offset, len(entry.blob)) if entry else None
+
+    def meta(self, key: str) -> Any:
+        """What the caller attached to `key` at commit (e.g. its ownership epoch), or None."""
+        entry = self._entries.get(key)
+        return entry.meta if entry else None
+
+    def set_meta(self, key: str, meta: Any) -> None:
+        self._entries[key].meta = meta
 
     def longest_prefix(self, model_id: str, tokens: Sequence[int] | Any, *, max_tokens: int | None = None) -> tuple[str, int] | None:
         """(key, n) of the stored snapshot whose tokens are the longest prefix tokens[:n], or None.
@@ -119,43 +150,70 @@ class HostStore:
         return None
 
     # ---- changes ------------------------------------------------------------------------------
-    def put(self, key: str, tokens: int, blob: bytes) -> list[str]:
-        """Store `blob` under `key` (replacing any entry of that key), evicting least recently
-        used unpinned entries to stay within the budget. Returns the evicted keys, oldest first.
+    def put(self, key: str, tokens: int, blob: bytes | memoryview, meta: Any = None) -> list[str]:
+        """Store a copy of `blob` under `key` (replacing any entry of that key), evicting least
+        recently used unpinned entries to make room. Returns the evicted keys, oldest first.
 
         Raises SnapshotTooLarge if the blob exceeds the whole budget and StoreFull if evicting
         every unpinned entry would not make room; either way the store is left unchanged."""
-        size = len(blob)
+        res, evicted = self.reserve(key, tokens, len(blob))
+        res.view[:] = blob
+        self.commit(res, meta)
+        return evicted
+
+    def reserve(self, key: str, tokens: int, size: int) -> tuple[Reservation, list[str]]:
+        """Allocate `size` bytes for a snapshot of `key`, evicting least recently used unpinned
+        entries. Returns the reservation and the evicted keys; raises like `put`, leaving the
+        store unchanged. An unpinned entry of the same key is replaced at once (not reported as
+        evicted); a pinned one stays readable until the commit replaces it."""
         if size > self.budget_bytes:
             raise SnapshotTooLarge(f"snapshot of {size} bytes exceeds the whole store budget of {self.budget_bytes} bytes")
         if tokens < 0:
             raise ValueError("tokens must be >= 0")
+        # Victims by bytes first (a plan, so a refusal changes nothing), then more while the arena
+        # is too fragmented for one run of `size` bytes.
         old = self._entries.get(key)
-        freed_by_replace = len(old.blob) if old is not None and old.pins == 0 else 0
-        need = self._bytes - freed_by_replace + size - self.budget_bytes
-        victims: list[_Entry] = []
-        if need > 0:
-            for entry in self._entries.values():
-                if entry.pins or entry is old:
-                    continue
-                victims.append(entry)
-                need -= len(entry.blob)
-                if need <= 0:
-                    break
-            if need > 0:
-                raise StoreFull(
-                    f"cannot fit {size} bytes: {self._bytes} of {self.budget_bytes} bytes used and "
-                    f"only {sum(len(v.blob) for v in victims)} evictable (the rest is leased)"
-                )
-        for entry in victims:
+        replaced = len(old.blob) if old is not None and not old.pins else 0
+        need = self._bytes - replaced + size - self.budget_bytes
+        candidates = [e for e in self._entries.values() if not e.pins and e.key != key]
+        evictable = sum(len(e.blob) for e in candidates)
+        if need > evictable:
+            raise StoreFull(
+                f"cannot fit {size} bytes: {self._bytes} of {self.budget_bytes} bytes used and "
+                f"only {evictable} evictable (the rest is leased or being written)"
+            )
+        if replaced:
+            self._remove(old)
+        victims: list[str] = []
+        for entry in candidates:
+            if need <= 0:
+                break
+            need -= len(entry.blob)
+            victims.append(entry.key)
             self._remove(entry)
+        offset = self.arena.alloc(size)
+        while offset is None and len(victims) < len(candidates):
+            entry = candidates[len(victims)]
+            victims.append(entry.key)
+            self._remove(entry)
+            offset = self.arena.alloc(size)
+        if offset is None:
+            raise StoreFull(f"cannot fit {size} bytes: the free space is fragmented by leased entries")
+        self._bytes += size
+        return Reservation(key, tokens, offset, self.arena.region(offset, size)), victims
+
+    def commit(self, res: Reservation, meta: Any = None) -> None:
+        """Make a filled reservation visible under its key, replacing any entry of that key."""
+        old = self._entries.get(res.key)
         if old is not None:
             self._remove(old)
-        entry = _Entry(key, tokens, blob)
-        self._entries[key] = entry
-        self._lengths[tokens] += 1
-        self._bytes += size
-        return [v.key for v in victims]
+        self._entries[res.key] = _Entry(res.key, res.tokens, res.offset, res.view, meta)
+        self._lengths[res.tokens] += 1
+
+    def abort(self, res: Reservation) -> None:
+        """Give back a reservation that will not be committed."""
+        self._bytes -= len(res.view)
+        self.arena.free(res.offset)
 
     def drop(self, key: str) -> bool:
         """Remove `key` from the store (its bytes stay counted until any open lease ends).
@@ -167,7 +225,7 @@ class HostStore:
         return True
 
     @contextmanager
-    def lease(self, key: str) -> Iterator[bytes]:
+    def lease(self, key: str) -> Iterator[memoryview]:
         """Pin `key` for the duration of the block and yield its blob; KeyError if absent.
 
         While pinned the entry is never evicted. Dropping or replacing it meanwhile hides it from
@@ -183,7 +241,7 @@ class HostStore:
             entry.pins -= 1
             if entry.pins == 0 and entry.dropped:
                 del self._draining[id(entry)]
-                self._bytes -= len(entry.blob)
+                self._release(entry)
 
     def _remove(self, entry: _Entry) -> None:
         del self._entries[entry.key]
@@ -194,4 +252,8 @@ class HostStore:
             entry.dropped = True
             self._draining[id(entry)] = entry
         else:
-            self._bytes -= len(entry.blob)
+            self._release(entry)
+
+    def _release(self, entry: _Entry) -> None:
+        self._bytes -= len(entry.blob)
+        self.arena.free(entry.offset)

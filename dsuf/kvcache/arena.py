@@ -1,0 +1,111 @@
+"""The host arena: one block of memory that holds every snapshot of a server, and its allocator.
+
+One arena per server, sized by `--kv-host-bytes`. The front end owns it and allocates in it; the
+worker maps the same POSIX shared-memory segment by name and writes a finished snapshot straight
+into the region the front end reserved for it, or reads one from there to restore a sequence,
+so a snapshot crosses the process boundary without passing through the rings or the event loop.
+A transport registers the whole arena once (RDMA memory registration is per region and costly,
+kv_sharing.md §3.2) and sends or receives straight from and into it.
+
+Allocation is first fit over a free list kept sorted by offset, coalescing neighbours on free:
+snapshots are few (thousands) and large, so a list walk costs nothing next to copying them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+from multiprocessing import shared_memory
+from typing import Any
+
+from dsuf.ipc.ring import attach_segment
+
+
+class Arena:
+    """`size` bytes of host memory with an offset allocator.
+
+    `Arena.shared(size)` creates a named shared-memory segment (the front end's); `Arena.attach(name)`
+    maps it in another process (the worker's, which only reads and writes regions, never allocates);
+    `Arena.private(size)` is anonymous memory for a store no other process touches."""
+
+    def __init__(self, buf: memoryview, size: int, *, align: int, shm: Any = None, owner: bool = False) -> None:
+        if align < 1 or align & (align - 1):
+            raise ValueError("align must be a power of two")
+        self.size = size
+        self.align = align
+        self.view = buf[:size]
+        self._shm, self._owner = shm, owner
+        self._free: list[tuple[int, int]] = [(0, size)] if size else []  # (offset, length), sorted
+        self._used: dict[int, int] = {}  # offset -> allocated length
+
+    @classmethod
+    def shared(cls, size: int, *, align: int = 64) -> Arena:
+        if size <= 0:
+            raise ValueError("arena size must be positive")
+        shm = shared_memory.SharedMemory(create=True, size=size)
+        return cls(shm.buf, size, align=align, shm=shm, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> Arena:
+        """Map another process's arena (for reading and writing regions it hands out)."""
+        shm = attach_segment(name)
+        return cls(shm.buf, len(shm.buf), align=1, shm=shm)
+
+    @classmethod
+    def private(cls, size: int, *, align: int = 1) -> Arena:
+        if size <= 0:
+            raise ValueError("arena size must be positive")
+        return cls(memoryview(mmap.mmap(-1, size)), size, align=align)  # pages are touched lazily
+
+    @property
+    def name(self) -> str | None:
+        """The shared-memory name another process attaches by (None for a private arena)."""
+        return self._shm.name if self._shm is not None else None
+
+    @property
+    def bytes_allocated(self) -> int:
+        return sum(self._used.values())
+
+    def alloc(self, n: int) -> int | None:
+        """Offset of a fresh region of `n` bytes (n ≥ 0), or None when no free run is long enough."""
+        if n < 0:
+            raise ValueError("allocation size must be >= 0")
+        need = max(self.align, -(-n // self.align) * self.align)  # a 0-byte blob still gets its own offset
+        for i, (off, length) in enumerate(self._free):
+            if length >= need:
+                if length == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + need, length - need)
+                self._used[off] = need
+                return off
+        return None
+
+    def free(self, offset: int) -> None:
+        length = self._used.pop(offset)  # KeyError: not allocated (a double free is a bug)
+        i = bisect.bisect(self._free, (offset, 0))
+        if i < len(self._free) and offset + length == self._free[i][0]:  # merge with the next run
+            length += self._free.pop(i)[1]
+        if i and self._free[i - 1][0] + self._free[i - 1][1] == offset:  # and with the previous one
+            offset, length = self._free[i - 1][0], self._free[i - 1][1] + length
+            del self._free[i - 1]
+            i -= 1
+        self._free.insert(i, (offset, length))
+
+    def region(self, offset: int, n: int) -> memoryview:
+        if offset < 0 or n < 0 or offset + n > self.size:
+            raise ValueError(f"region [{offset}, {offset + n}) is outside the {self.size}-byte arena")
+        return self.view[offset : offset + n]
+
+    def close(self) -> None:
+        """Unmap (and, for the creator, unlink) the arena. Views handed out must be released first."""
+        self.view.release()
+        if self._shm is not None:
+            try:
+                self._shm.close()
+            except BufferError:  # a view is still exported somewhere; the mapping dies with the process
+                pass
+            if self._owner:
+                self._shm.unlink()
+            self._shm = None
+
