@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 from pathlib import Path
 
 from aiohttp import web
@@ -73,8 +74,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt("prefill-chunk", 256, "prompt tokens prefilled per step", int)
     opt("numerics", "reference", "reference or exact")
     opt("grace", 30.0, "seconds SIGTERM waits for running requests", float)
-    opt("redis-url", None, "Redis of the fleet: this server holds a lease there (conversation-cache ownership)")
+    opt("kv-host-bytes", 2 << 30, "host memory for conversation caches (shared memory; 0 turns caching off)", int)
+    opt("redis-url", None, "Redis of the fleet: conversation caches are advertised there and fetched from peers")
     opt("server-id", None, "this server's id in the fleet; default: HOST:PORT")
+    opt("kv-port", None, "port of the cache transfer server (0: any free port); default: PORT + 1", int)
+    opt("kv-advertise", None, "HOST[:PORT] peers dial for transfers; default: this host's address and --kv-port")
+    opt("cluster-secret", None, "shared secret of the fleet: authenticates cache transfers (or use --cluster-secret-file)")
+    opt("cluster-secret-file", None, "file holding the fleet's shared secret")
+    opt("kv-lease-ms", 10000, "this server's lease in Redis, ms (peers treat it as gone this long after a freeze)", int)
+    opt("kv-fetch-timeout", 2.0, "seconds a cache transfer may stall before the turn is recomputed instead", float)
     p.add_argument("--test-hooks", action="store_true", default=env("DSUF_TEST_HOOKS") == "1",
                    help="accept dsuf_forced_tokens in requests, for tests (env DSUF_TEST_HOOKS=1)")
 
@@ -83,6 +91,7 @@ async def serve(args: argparse.Namespace) -> int:
     from dsuf.api.chat import ChatFrontend
     from dsuf.api.server import ServerState, create_app
     from dsuf.engine.engine import Engine, EngineConfig
+    from dsuf.model.checkpoint import checkpoint_revision
     from dsuf.model.config import load_config
 
     if args.gpus:
@@ -95,8 +104,14 @@ async def serve(args: argparse.Namespace) -> int:
     max_len = args.max_model_len or (EMBEDDED_MAX_MODEL_LEN if not args.ckpt else config.max_seq_len)
     log.info("kernels: none to build on the CPU reference path")
     chat = ChatFrontend(tokenizer, served_name=args.served_name or config.name, context_limit=max_len, family="v4", test_hooks=args.test_hooks)
-    engine = Engine(EngineConfig(str(ckpt), args.numerics, args.max_batch, args.max_waiting, args.prefill_chunk))
-    state = ServerState(api_key=args.api_key)
+    cache = conversation_cache(args, chat, config.name, checkpoint_revision(ckpt))
+    arena = cache.store.arena if cache else None
+    engine = Engine(EngineConfig(
+        str(ckpt), args.numerics, args.max_batch, args.max_waiting, args.prefill_chunk,
+        arena=arena.name if arena else None, revision=cache.revision if cache else "",
+    ))
+    engine.cache = cache
+    state = ServerState(api_key=args.api_key, cache=cache)
     app = create_app(engine, chat, state)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -104,7 +119,7 @@ async def serve(args: argparse.Namespace) -> int:
     await site.start()
     log.info("listening on http://%s:%d (model %s, context %d)", args.host, args.port, config.name, max_len)
     await engine.start()
-    directory = await join_fleet(args)
+    fleet = await join_fleet(args, cache)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -125,23 +140,108 @@ async def serve(args: argparse.Namespace) -> int:
         engine.scheduler.fail_all(503, "the server is shutting down")
     await runner.cleanup()
     await engine.stop()
-    if directory is not None:
-        await directory.close()  # drops our lease: peers stop counting on us at once
+    await fleet.close()  # drops our lease: peers stop counting on us at once
+    if cache is not None:
+        await cache.close()
+        cache.store.arena.close()
     log.info("stopped")
     return 0
 
 
-async def join_fleet(args: argparse.Namespace):
-    """Hold this server's lease in the fleet's Redis (best effort: Redis down never stops serving)."""
-    if not args.redis_url:
+def conversation_cache(args: argparse.Namespace, chat, model_id: str, revision: str):
+    """The server's conversation caches in a shared arena of --kv-host-bytes (None when 0)."""
+    if args.kv_host_bytes <= 0:
+        log.info("conversation caches: off (--kv-host-bytes 0)")
         return None
+    from dsuf.kvcache.arena import Arena
+    from dsuf.kvcache.cache import ConversationCache
+    from dsuf.kvcache.store import HostStore
+
+    size = args.kv_host_bytes
+    shm = os.statvfs("/dev/shm")
+    room = shm.f_bavail * shm.f_frsize
+    if size > room:  # writing past a full /dev/shm would kill the server with SIGBUS later
+        log.warning("conversation caches: --kv-host-bytes %d exceeds the %d bytes free in /dev/shm; using %d", size, room, room // 2)
+        size = room // 2
+    ends = ["<｜Assistant｜>", "<think>", "</think>", "<｜end▁of▁sentence｜>"]
+    cache = ConversationCache(
+        HostStore(size, Arena.shared(size)), model_id=model_id, revision=revision,
+        assistant_id=chat.token_id(ends[0]), boundary_ids={chat.token_id(t) for t in ends},
+    )
+    log.info("conversation caches: %.1f GiB of host memory, revision %s", size / 2**30, revision)
+    return cache
+
+
+class Fleet:
+    """This server's membership of a fleet: its lease in Redis and the cache transfer server."""
+
+    def __init__(self, directory=None, transfer=None, fetcher=None) -> None:
+        self.directory, self.transfer, self.fetcher = directory, transfer, fetcher
+
+    async def close(self) -> None:
+        if self.transfer is not None:
+            await self.transfer.stop()
+        if self.fetcher is not None:
+            await self.fetcher.close()
+        if self.directory is not None:
+            await self.directory.close()
+
+
+def cluster_secret(args: argparse.Namespace) -> bytes | None:
+    if args.cluster_secret_file:
+        try:
+            return Path(args.cluster_secret_file).read_bytes().strip() or None
+        except OSError as exc:
+            raise SystemExit(f"dsuf: cannot read --cluster-secret-file: {exc}") from None
+    return args.cluster_secret.encode() if args.cluster_secret else None
+
+
+def advertised_host(host: str) -> str:
+    """An address peers can dial for a server listening on `host`."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+async def join_fleet(args: argparse.Namespace, cache) -> Fleet:
+    """Join the fleet in --redis-url: hold a lease, advertise and share conversation caches.
+
+    Best effort throughout: Redis down never stops serving (local hits and recomputes go on)."""
+    if not args.redis_url:
+        return Fleet()
     from dsuf.kvcache.ownership import OwnershipDirectory
 
     server_id = args.server_id or f"{args.host}:{args.port}"
-    directory = OwnershipDirectory(args.redis_url, server_id, ctrl_addr=f"{args.host}:{args.port}", transports=[])
+    secret = cluster_secret(args)
+    transfer = fetcher = None
+    ctrl_addr = ""
+    if cache is not None and secret:
+        from dsuf.kvcache.transport import KvFetcher, KvTransferServer
+
+        port = args.port + 1 if args.kv_port is None else args.kv_port
+        arena = cache.store.arena.view
+        transfer = KvTransferServer(cache.export, secret, args.host, port, arena=arena)
+        await transfer.start()
+        fetcher = KvFetcher(secret, io_timeout=args.kv_fetch_timeout, arena=arena)
+        bound_port = transfer.address.rpartition(":")[2]
+        ctrl_addr = args.kv_advertise or f"{advertised_host(args.host)}:{bound_port}"
+        if ":" not in ctrl_addr:
+            ctrl_addr = f"{ctrl_addr}:{bound_port}"
+        log.info("fleet: cache transfers on %s (%s)", transfer.address, ", ".join(transfer.transports))
+    elif cache is not None:
+        log.warning("fleet: no --cluster-secret: conversation caches stay on this server (peers can neither fetch nor be fetched from)")
+    directory = OwnershipDirectory(
+        args.redis_url, server_id, ctrl_addr=ctrl_addr,
+        transports=transfer.transports if transfer else [], lease_ms=args.kv_lease_ms,
+    )
     await directory.start()
+    if fetcher is not None:
+        cache.join(directory, fetcher)
     log.info("fleet: server %s (boot %s) holds a lease in %s", server_id, directory.boot_id[:8], args.redis_url)
-    return directory
+    return Fleet(directory, transfer, fetcher)
 
 
 def main(args: argparse.Namespace) -> int:

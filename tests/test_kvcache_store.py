@@ -19,6 +19,7 @@ import torch
 from dsuf.kvcache.snapshot import (
     FIXED_BYTES,
     LAYOUT_VERSION,
+    Named,
     PrefixHasher,
     SnapshotError,
     chain_key,
@@ -28,6 +29,7 @@ from dsuf.kvcache.snapshot import (
     read_header,
     restore_state,
     snapshot_state,
+    stamp_epoch,
 )
 from dsuf.kvcache.store import HostStore, SnapshotTooLarge, StoreFull
 from dsuf.model import load_model
@@ -131,6 +133,29 @@ def test_a_restored_snapshot_continues_exactly_like_the_original(model, taken):
     assert header.token_key == chain_key(MODEL, prefix)
     assert header.layout_version == LAYOUT_VERSION
     assert header.payload_bytes == len(blob) - header.payload_offset
+
+
+def test_tokens_known_only_by_key_and_count_snapshot_and_restore_the_same(model, taken):
+    # the worker never holds a whole prompt: it names the tokens by chain key and count
+    seq, prefix, blob = taken
+    named = Named(chain_key(MODEL, prefix), len(prefix))
+    restored = restore_state(model.config, blob, model_id=MODEL, revision=REV, tokens=named)
+    assert snapshot_state(restored, MODEL, REV, named, epoch=7) == blob
+    with pytest.raises(SnapshotError, match="chain key"):
+        restore_state(model.config, blob, model_id=MODEL, revision=REV, tokens=Named(chain_key(MODEL, prefix[:-1]), 37))
+    with pytest.raises(SnapshotError, match="covers 37 tokens"):
+        restore_state(model.config, blob, model_id=MODEL, revision=REV, tokens=Named(named.key, 36))
+
+
+def test_stamping_an_epoch_rewrites_only_the_header(taken):
+    _, prefix, blob = taken
+    stamped = bytearray(blob)
+    stamp_epoch(stamped, 12)
+    header, payload = decode_snapshot(stamped, expect_model_id=MODEL, expect_revision=REV, expect_tokens=prefix, expect_epoch=12)
+    assert header.epoch == 12 and bytes(payload) == blob[header.payload_offset :]
+    assert stamped[FIXED_BYTES:] == blob[FIXED_BYTES:]
+    with pytest.raises(SnapshotError, match="epoch 12 is stale"):
+        decode_snapshot(stamped, expect_model_id=MODEL, expect_revision=REV, expect_epoch=7)
 
 
 def test_snapshot_refuses_a_state_that_is_not_after_the_given_tokens(model, taken):

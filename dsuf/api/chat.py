@@ -131,6 +131,7 @@ class PreparedChat:
     logit_bias: dict[int, float] = field(default_factory=dict)
     forced_tokens: list[int] | None = None  # test hook, see ChatFrontend._forced_tokens
     top_k: int = 0  # 0: off; ignored in thinking mode like the other sampling knobs
+    conversation: str | None = None  # prompt_cache_key: names the conversation for the cache
     created: int = 0
     _conversion: Any = field(default=None, repr=False, compare=False)
     _tokenizer: Any = field(default=None, repr=False, compare=False)
@@ -283,6 +284,13 @@ class ChatFrontend:
         except RuntimeError as exc:
             raise ValueError(f"tokenizer {path} does not fit the {family} prompt encoding: {exc}") from exc
 
+    def token_id(self, text: str) -> int:
+        """The id of a special token, e.g. "<｜Assistant｜>"."""
+        ids = self._tokenizer.encode(text)
+        if len(ids) != 1:
+            raise ValueError(f"{text!r} is not a single token of this tokenizer")
+        return ids[0]
+
     def models(self) -> list[str]:
         """The model names requests may use (the served name first)."""
         return list(self._names)
@@ -299,6 +307,9 @@ class ChatFrontend:
             req["max_tokens"] = req["max_completion_tokens"]
         logit_bias = self._logit_bias(req.get("logit_bias"))
         forced = self._forced_tokens(req.pop("dsuf_forced_tokens", None))
+        conversation = req.get("prompt_cache_key")
+        if conversation is not None and (not isinstance(conversation, str) or not 0 < len(conversation) <= 256):
+            raise ChatError(400, "prompt_cache_key must be a string of 1 to 256 characters", param="prompt_cache_key")
         top_k = req.pop("top_k", None)  # a common extension (vLLM, SGLang) the recipe does not know
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
             raise ChatError(400, f"top_k must be a non-negative integer (0 disables it), got {top_k!r}", param="top_k")
@@ -342,6 +353,7 @@ class ChatFrontend:
             logit_bias=logit_bias,
             forced_tokens=forced,
             top_k=0 if thinking else (top_k or 0),
+            conversation=conversation,
             created=int(time.time()),
             _conversion=conv,
             _tokenizer=self._tokenizer,

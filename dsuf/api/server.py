@@ -19,6 +19,7 @@ from dsuf.api.chat import SSE_DONE, ChatError, ChatFrontend, PreparedChat
 from dsuf.api.metrics import Metrics
 from dsuf.engine.engine import Engine, WorkerGone
 from dsuf.engine.scheduler import ErrorEvent, FinishEvent, QueueFull, Request, TokenEvent
+from dsuf.kvcache.cache import ConversationCache
 from dsuf.worker.sampling import SamplingParams
 
 log = logging.getLogger("dsuf.api")
@@ -34,6 +35,7 @@ class ServerState:
     api_key: str | None = None
     draining: bool = False
     open_streams: int = 0
+    cache: ConversationCache | None = None  # conversation caches, when the server keeps them
 
 
 def error_response(status: int, message: str, type_: str | None = None, code: str | None = None, param: str | None = None, headers: dict | None = None) -> web.Response:
@@ -97,11 +99,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ValueError as exc:
         return error_response(400, str(exc))
     req = Request(prepared.prompt_ids, params, prepared.max_tokens)
+    conversation = prepared.conversation or request.headers.get("X-Conversation-Id") or None
+    if state.cache is not None:
+        try:
+            await state.cache.attach(req, conversation)
+        except Exception:  # the cache is an optimisation: a bug in it costs a recompute, not the request
+            log.exception("conversation cache lookup failed; recomputing the prompt")
+            req = Request(prepared.prompt_ids, params, prepared.max_tokens)
     try:
         engine.submit(req)
-    except QueueFull as exc:
-        return error_response(429, f"too many requests waiting ({exc}); retry shortly", "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": "1"})
-    except WorkerGone as exc:
+    except (QueueFull, WorkerGone) as exc:
+        req.unpin()
+        if isinstance(exc, QueueFull):
+            return error_response(429, f"too many requests waiting ({exc}); retry shortly", "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": "1"})
         return error_response(503, str(exc), code="model_not_ready")
     metrics.prompt_tokens.inc(len(prepared.prompt_ids))
     stream = prepared.new_stream()
@@ -117,11 +127,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(req: Request, stream, engine: Engine, metrics: Metrics, emit):
-    """Pump engine events through the recipe parser; `emit(chunks)` gets chat.completion.chunk JSON."""
+    """Pump engine events through the recipe parser; `emit(chunks)` gets chat.completion.chunk JSON.
+
+    The stream starts (role chunk, prompt usage) with the first event, once the worker has
+    accepted or refused the request's cached prefix, so prompt_cache_hit_tokens is what was reused."""
     first = last = None
     while True:
         event = await req.events.get()
         now = time.monotonic()
+        if first is None and not isinstance(event, ErrorEvent):
+            await emit(stream.start(len(req.prompt), req.cached))
+            metrics.cache_hit_tokens.inc(req.cached)
         if isinstance(event, TokenEvent):
             if first is None:
                 first = now
@@ -153,7 +169,6 @@ async def _stream(request: web.Request, prepared: PreparedChat, req: Request, st
         if chunks:
             await resp.write("".join(f"data: {c}\n\n" for c in chunks).encode())
 
-    await emit(stream.start(len(prepared.prompt_ids), 0))
     error = await _generate(req, stream, engine, metrics, emit)
     if error is not None:
         body = {"error": {"message": error.message, "type": "server_error", "param": None, "code": "server_error"}}
@@ -167,7 +182,6 @@ async def _complete(prepared: PreparedChat, req: Request, stream, engine: Engine
     async def emit(chunks: list[str]) -> None:
         pass  # the stream accumulates the response itself
 
-    stream.start(len(prepared.prompt_ids), 0)
     error = await _generate(req, stream, engine, metrics, emit)
     if error is not None:
         return error_response(error.status, error.message)

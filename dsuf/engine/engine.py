@@ -15,10 +15,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dsuf.engine.scheduler import QueueFull, Request, Scheduler
 from dsuf.ipc.messages import Fatal, FromWorker, Ready, Shutdown, StepDone, ToWorker
 from dsuf.ipc.ring import Channel, Doorbell, Ring
+
+if TYPE_CHECKING:
+    from dsuf.kvcache.cache import ConversationCache
 
 log = logging.getLogger("dsuf.engine")
 
@@ -31,6 +35,8 @@ class EngineConfig:
     max_waiting: int = 256
     prefill_budget: int = 256  # prompt tokens per step, shared by all prefilling requests
     worker_threads: int = 0  # 0: the worker's default
+    arena: str | None = None  # shared-memory name of the snapshot arena (conversation caches)
+    revision: str = ""  # the checkpoint's revision, named in every snapshot
 
 
 class WorkerGone(Exception):
@@ -45,10 +51,12 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.failure: str | None = None
         self.on_step: Callable[[StepDone, float], None] | None = None  # (result, round-trip seconds)
+        self.cache: ConversationCache | None = None  # sees each step's snapshots before the scheduler
         self._wakeup = asyncio.Event()
         self._step_done: asyncio.Future | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -66,11 +74,14 @@ class Engine:
         ]
         if self.config.worker_threads:
             cmd += ["--threads", str(self.config.worker_threads)]
+        if self.config.arena:
+            cmd += ["--arena", self.config.arena, "--revision", self.config.revision]
         self._proc = await asyncio.create_subprocess_exec(*cmd, pass_fds=(self._bells[0].fd, self._bells[1].fd))
         log.info("worker started (pid %d), loading weights from %s", self._proc.pid, self.config.ckpt)
         self._tasks = [asyncio.create_task(self._supervise()), asyncio.create_task(self._loop())]
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._proc is not None and self._proc.returncode is None:
             try:
                 self.to_worker.send(Shutdown())
@@ -134,16 +145,23 @@ class Engine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            if self.cache is not None:
+                self.cache.expect(step)
             self._step_done = loop.create_future()
             sent = time.perf_counter()
             self.to_worker.send(step)
             done: StepDone = await self._step_done
+            if self.cache is not None:
+                self.cache.on_step(done, self.scheduler)
             self.scheduler.on_done(done)
             if self.on_step is not None:
                 self.on_step(done, time.perf_counter() - sent)
 
     async def _supervise(self) -> None:
         code = await self._proc.wait()
+        if self._stopping and code == 0:
+            log.info("worker %d stopped", self._proc.pid)
+            return
         cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         self.failure = self.failure or f"the worker process died ({cause})"
         log.error("worker %d ended: %s", self._proc.pid, cause)

@@ -4,6 +4,13 @@ Pure bookkeeping, no I/O, so it is tested on its own. Every step decodes one tok
 running sequence that has one pending, and spends a token budget on prompt chunks: first for
 prompts already being prefilled, then for waiting requests admitted into the running set (up to
 `max_batch`). Long prompts therefore advance a chunk per step instead of stalling the decodes.
+
+Conversation caches: a request may start from a cached prefix (`cached` tokens, restored by the
+worker from the arena with its first work) and names the prompt positions where the worker
+snapshots its state (`snapshots`; chunks end exactly there). When a completion ends by EOS or by
+length and `hasher` is set, the request stays one more step "closing": the worker feeds the tokens
+the next turn's prompt will repeat (the unfed last token, then EOS) and snapshots the state after
+them, so the next turn finds the whole previous turn cached.
 """
 
 from __future__ import annotations
@@ -12,10 +19,12 @@ import asyncio
 import itertools
 import time
 from collections import deque
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dsuf.ipc.messages import SeqWork, Step, StepDone
+from dsuf.ipc.messages import Restore, SeqWork, SnapshotWrite, Step, StepDone
+from dsuf.kvcache.snapshot import PrefixHasher
 from dsuf.worker.sampling import SamplingParams, TokenChoice
 
 
@@ -58,6 +67,32 @@ class Request:
     pending: int | None = None  # the last sampled token, to be fed in the next step
     in_flight: bool = False
     done: bool = False
+    started: bool = False  # the worker has this sequence (its first work was sent)
+    # Conversation cache; without one these stay empty and nothing above changes.
+    cached: int = 0  # prompt tokens restored from a snapshot (usage: prompt_cache_hit_tokens)
+    restore: Restore | None = None  # sent with the first work
+    pin: ExitStack | None = None  # holds the snapshot's store lease until the worker has read it
+    snapshots: dict[int, str] = field(default_factory=dict)  # prompt length -> chain key to snapshot at
+    hasher: PrefixHasher | None = None  # fed the prompt: names prompt + completion for the closing snapshot
+    conversation: str | None = None  # the client's conversation id (prompt_cache_key / X-Conversation-Id)
+    output: list[int] = field(default_factory=list)  # sampled tokens (to name the closing snapshot)
+    closing: list[int] | None = None  # finished: tokens still to feed for the closing snapshot
+
+    def use_cached(self, cached: int, restore: Restore, pin: ExitStack) -> None:
+        """Start from a snapshot of the first `cached` prompt tokens."""
+        self.cached = self.prefilled = cached
+        self.restore, self.pin = restore, pin
+
+    def forget_cached(self) -> None:
+        """The snapshot was refused: prefill the whole prompt after all."""
+        self.cached = self.prefilled = 0
+        self.restore, self.started = None, False
+        self.unpin()
+
+    def unpin(self) -> None:
+        if self.pin is not None:
+            self.pin.close()
+            self.pin = None
 
     @property
     def prefilling(self) -> bool:
@@ -73,6 +108,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.release: list[int] = []
+        self.writes: list[SnapshotWrite] = []  # filled by the engine, sent with the next step
         self._steps = itertools.count(1)
 
     def add(self, req: Request) -> None:
@@ -81,10 +117,12 @@ class Scheduler:
         self.waiting.append(req)
 
     def finish(self, req: Request) -> None:
-        """Stop a request now (client gone, stop string seen): its slot is free for the next step."""
+        """Stop a request now (client gone, stop string seen): its slot is free for the next step.
+        A closing request (already finished) keeps its slot until its snapshot step is done."""
         if req.done:
             return
         req.done = True
+        req.unpin()
         if req in self.waiting:
             self.waiting.remove(req)
         elif self.running.pop(req.id, None) is not None:
@@ -93,10 +131,12 @@ class Scheduler:
     def fail_all(self, status: int, message: str) -> None:
         for req in [*self.waiting, *self.running.values()]:
             req.done = True
+            req.unpin()
             req.events.put_nowait(ErrorEvent(status, message))
         self.waiting.clear()
         self.running.clear()
         self.release.clear()
+        self.writes.clear()
 
     def plan(self) -> Step | None:
         work: list[SeqWork] = []
@@ -104,6 +144,10 @@ class Scheduler:
             if req.pending is not None:
                 work.append(SeqWork(req.id, [req.pending], sample=True))
                 req.pending, req.in_flight = None, True
+            elif req.closing and not req.in_flight:
+                req.hasher.update(req.output + req.closing)
+                work.append(SeqWork(req.id, req.closing, sample=False, snapshot=req.hasher.key()))
+                req.in_flight = True
         budget = self.prefill_budget
         for req in list(self.running.values()):
             if budget and req.prefilling and not req.in_flight:
@@ -112,16 +156,25 @@ class Scheduler:
             req = self.waiting.popleft()
             self.running[req.id] = req
             budget -= self._prefill_chunk(req, budget, work)
-        if not work and not self.release:
+        if not work and not self.release and not self.writes:
             return None
         release, self.release = self.release, []
-        return Step(next(self._steps), work, release)
+        writes, self.writes = self.writes, []
+        return Step(next(self._steps), work, release, writes)
 
     def _prefill_chunk(self, req: Request, budget: int, work: list[SeqWork]) -> int:
-        chunk = req.prompt[req.prefilled : req.prefilled + budget]
-        first = req.prefilled == 0
-        req.prefilled += len(chunk)
-        work.append(SeqWork(req.id, chunk, sample=not req.prefilling, params=req.params if first else None))
+        end = min(len(req.prompt), req.prefilled + budget)
+        stop = min((n for n in req.snapshots if req.prefilled < n <= end), default=end)
+        chunk = req.prompt[req.prefilled : stop]
+        first = not req.started
+        req.prefilled, req.started = stop, True
+        work.append(
+            SeqWork(
+                req.id, chunk, sample=not req.prefilling,
+                params=req.params if first else None, restore=req.restore if first else None,
+                snapshot=req.snapshots.get(stop),
+            )
+        )
         req.in_flight = True
         return len(chunk)
 
@@ -132,24 +185,37 @@ class Scheduler:
             if req is None:  # finished while the step ran; its release is already queued
                 continue
             req.in_flight = False
+            req.unpin()  # the worker has read its snapshot (or failed to)
+            if out.cache_miss:
+                req.forget_cached()
+                continue
             if out.error is not None:
                 self.running.pop(req.id)
                 req.done = True
-                req.events.put_nowait(ErrorEvent(500, f"generation failed: {out.error}"))
+                if req.closing is None:
+                    req.events.put_nowait(ErrorEvent(500, f"generation failed: {out.error}"))
+                continue
+            if req.closing is not None:  # its closing snapshot is made: the slot is free
+                self.running.pop(req.id)
+                self.release.append(req.id)
                 continue
             if out.choice is None:
                 continue
             token = out.choice.token
             req.generated += 1
             if token == self.eos:
-                self._complete(req, "stop")
+                self._complete(req, "stop", [token])
                 continue
             req.events.put_nowait(TokenEvent(out.choice))
             if req.generated >= req.max_tokens:
-                self._complete(req, "length")
+                self._complete(req, "length", [token, self.eos])
             else:
+                req.output.append(token)
                 req.pending = token
 
-    def _complete(self, req: Request, reason: Literal["stop", "length"]) -> None:
-        self.finish(req)
+    def _complete(self, req: Request, reason: Literal["stop", "length"], tail: list[int]) -> None:
         req.events.put_nowait(FinishEvent(reason))
+        if req.hasher is None:
+            self.finish(req)
+            return
+        req.done, req.closing = True, tail  # the client is answered; the state lives one step on

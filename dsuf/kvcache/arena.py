@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import bisect
 import mmap
-from multiprocessing import shared_memory
+import os
+import secrets
 from typing import Any
 
 from dsuf.ipc.ring import attach_segment
@@ -35,6 +36,7 @@ class Arena:
         self.align = align
         self.view = buf[:size]
         self._shm, self._owner = shm, owner
+        self.name: str | None = shm.name if shm is not None else None  # what another process attaches by
         self._free: list[tuple[int, int]] = [(0, size)] if size else []  # (offset, length), sorted
         self._used: dict[int, int] = {}  # offset -> allocated length
 
@@ -42,7 +44,7 @@ class Arena:
     def shared(cls, size: int, *, align: int = 64) -> Arena:
         if size <= 0:
             raise ValueError("arena size must be positive")
-        shm = shared_memory.SharedMemory(create=True, size=size)
+        shm = _Segment.create(size)
         return cls(shm.buf, size, align=align, shm=shm, owner=True)
 
     @classmethod
@@ -56,11 +58,6 @@ class Arena:
         if size <= 0:
             raise ValueError("arena size must be positive")
         return cls(memoryview(mmap.mmap(-1, size)), size, align=align)  # pages are touched lazily
-
-    @property
-    def name(self) -> str | None:
-        """The shared-memory name another process attaches by (None for a private arena)."""
-        return self._shm.name if self._shm is not None else None
 
     @property
     def bytes_allocated(self) -> int:
@@ -98,14 +95,49 @@ class Arena:
         return self.view[offset : offset + n]
 
     def close(self) -> None:
-        """Unmap (and, for the creator, unlink) the arena. Views handed out must be released first."""
+        """Unlink the arena's name (creator) and unmap it once no view of it is left."""
         self.view.release()
         if self._shm is not None:
-            try:
-                self._shm.close()
-            except BufferError:  # a view is still exported somewhere; the mapping dies with the process
-                pass
             if self._owner:
                 self._shm.unlink()
+            try:
+                self._shm.close()
+            except BufferError:  # a region is still referenced; the mapping goes with the process
+                pass
             self._shm = None
+
+
+class _Segment:
+    """A new POSIX shared-memory segment, mapped. Unlike multiprocessing's SharedMemory it has no
+    finaliser that complains when regions of it are still referenced at interpreter exit."""
+
+    def __init__(self, name: str, mm: mmap.mmap) -> None:
+        self.name, self._mmap = name, mm
+        self.buf = memoryview(mm)
+
+    @classmethod
+    def create(cls, size: int) -> _Segment:
+        import _posixshmem
+
+        while True:
+            name = f"dsuf_arena_{os.getpid()}_{secrets.token_hex(4)}"
+            try:
+                fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+                break
+            except FileExistsError:
+                continue
+        try:
+            os.ftruncate(fd, size)
+            return cls(name, mmap.mmap(fd, size))
+        finally:
+            os.close(fd)
+
+    def unlink(self) -> None:
+        import _posixshmem
+
+        _posixshmem.shm_unlink("/" + self.name)
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()
 

@@ -513,6 +513,19 @@ class OwnershipDirectory:
         h = await self._op(lambda: self._redis.hgetall(self.keys.conv(conv)))
         return _record(conv, h)
 
+    async def lookup_many(self, convs: list[str]) -> list[ConvRecord | None]:
+        """The records of several conversations in one round trip (None where there is none)."""
+        if not convs:
+            return []
+
+        async def get() -> list[dict[str, str]]:
+            async with self._redis.pipeline(transaction=False) as p:
+                for conv in convs:
+                    p.hgetall(self.keys.conv(conv))
+                return await p.execute()
+
+        return [_record(c, h) for c, h in zip(convs, await self._op(get))]
+
     async def server(self, server_id: str) -> ServerLease | None:
         """A server's lease, or None when it lapsed (the server is dead or partitioned)."""
 

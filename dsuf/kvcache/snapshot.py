@@ -40,7 +40,7 @@ import json
 import struct
 import zlib
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -292,16 +292,30 @@ def decode_snapshot(
 # ---- SequenceState <-> snapshot -----------------------------------------------------------------
 
 
-def snapshot_state(state: SequenceState, model_id: str, revision: str, tokens: Sequence[int] | Any, epoch: int = 0) -> bytes:
-    """Snapshot `state`, which must be the state after exactly `tokens`."""
+class Named(NamedTuple):
+    """Tokens known by their chain key and count only (the worker never holds a whole prompt)."""
+
+    key: str
+    count: int
+
+
+def _named(model_id: str, tokens: Sequence[int] | Named | Any) -> Named:
+    if isinstance(tokens, Named):
+        return tokens
     arr = token_array(tokens)
-    if state.pos != len(arr):
-        raise ValueError(f"state is at position {state.pos} but {len(arr)} tokens were given")
+    return Named(chain_key(model_id, arr), len(arr))
+
+
+def snapshot_state(state: SequenceState, model_id: str, revision: str, tokens: Sequence[int] | Named | Any, epoch: int = 0) -> bytes:
+    """Snapshot `state`, which must be the state after exactly `tokens`."""
+    named = _named(model_id, tokens)
+    if state.pos != named.count:
+        raise ValueError(f"state is at position {state.pos} but {named.count} tokens were given")
     return encode_snapshot(
         model_id=model_id,
         model_revision=revision,
-        token_count=len(arr),
-        token_key=chain_key(model_id, arr),
+        token_count=named.count,
+        token_key=named.key,
         epoch=epoch,
         payload=state.to_bytes(),
     )
@@ -313,16 +327,18 @@ def restore_state(
     *,
     model_id: str,
     revision: str,
-    tokens: Sequence[int] | Any,
+    tokens: Sequence[int] | Named | Any,
     epoch: int | None = None,
 ) -> SequenceState:
     """Verify `blob` against (model, revision, tokens, epoch) and rebuild its SequenceState.
 
     Every failure — header, checksum, or a state that does not fit `config` — is a SnapshotError."""
-    arr = token_array(tokens)
+    named = _named(model_id, tokens)
     header, payload = decode_snapshot(
-        blob, expect_model_id=model_id, expect_revision=revision, expect_tokens=arr, expect_epoch=epoch
+        blob, expect_model_id=model_id, expect_revision=revision, expect_key=named.key, expect_epoch=epoch
     )
+    if header.token_count != named.count:
+        raise SnapshotError(f"snapshot covers {header.token_count} tokens, expected {named.count}")
     try:
         # SequenceState.from_bytes json-parses a slice of its input, which needs bytes (one copy).
         state = SequenceState.from_bytes(config, bytes(payload))
@@ -331,3 +347,18 @@ def restore_state(
     if state.pos != header.token_count:
         raise SnapshotError(f"snapshot state is at position {state.pos}, header says {header.token_count} tokens")
     return state
+
+
+def stamp_epoch(blob: bytearray | memoryview, epoch: int) -> None:
+    """Rewrite a (writable) snapshot's epoch in place, after its owner claimed it at that epoch.
+
+    Only the fixed header changes (epoch and header CRC); the payload and its CRC are untouched,
+    so this costs the same for any snapshot size."""
+    view = _byte_view(blob)
+    header = read_header(view)
+    _FIXED.pack_into(
+        view, 0, MAGIC, LAYOUT_VERSION, header.payload_offset - FIXED_BYTES, header.token_count, epoch,
+        header.payload_bytes, bytes.fromhex(header.token_key), header.checksum, 0,
+    )
+    crc = zlib.crc32(view[FIXED_BYTES : header.payload_offset], zlib.crc32(view[:_HEADER_CRC_AT]))
+    struct.pack_into("<I", view, _HEADER_CRC_AT, crc)

@@ -12,7 +12,9 @@ else is replicated. A rank reads only its own slice of each tensor through safet
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,6 +261,31 @@ def read_index(ckpt_dir: Path) -> dict[str, str]:
         with safe_open(single, "pt") as f:
             return {name: single.name for name in f.keys()}
     raise CheckpointError(f"no model.safetensors.index.json or model.safetensors in {ckpt_dir}")
+
+
+def checkpoint_revision(ckpt_dir: str | Path) -> str:
+    """A short name of the exact weights in `ckpt_dir`, cheap to compute at any size.
+
+    Hashes the config files, the index and, per shard file, its size, its safetensors header (every
+    tensor's name, dtype, shape and offsets) and the first and last 64 KiB of tensor data. Two
+    checkpoints of one layout but different weights (e.g. random ones from different seeds) get
+    different revisions; conversation-cache snapshots only move between servers whose revisions
+    are equal (a full hash of 160 GB of weights would cost minutes at every start)."""
+    ckpt_dir = Path(ckpt_dir)
+    h = hashlib.blake2b(digest_size=8, person=b"dsuf-ckpt-rev1")
+    for name in ("config.json", "inference/config.json", "model.safetensors.index.json"):
+        path = ckpt_dir / name
+        h.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"-") + b"\0")
+    edge = 64 << 10
+    for shard in sorted(set(read_index(ckpt_dir).values())):
+        with open(ckpt_dir / shard, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            h.update(shard.encode() + size.to_bytes(8, "little"))
+            header_len = int.from_bytes(f.read(8), "little")  # safetensors: u64 length, JSON header, data
+            h.update(f.read(header_len + edge))
+            f.seek(max(0, size - edge))
+            h.update(f.read())
+    return h.hexdigest()
 
 
 # Plain (unquantised) checkpoints may store their bf16 tensors as float32.

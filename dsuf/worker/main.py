@@ -15,8 +15,10 @@ import time
 
 import torch
 
-from dsuf.ipc.messages import Fatal, FromWorker, Ready, SeqOutput, Shutdown, Step, StepDone, ToWorker
+from dsuf.ipc.messages import Fatal, FromWorker, Ready, SeqOutput, SeqWork, Shutdown, SnapshotMade, Step, StepDone, ToWorker
 from dsuf.ipc.ring import Channel, Doorbell, Ring
+from dsuf.kvcache.arena import Arena
+from dsuf.kvcache.snapshot import Named, SnapshotError, restore_state, snapshot_state
 from dsuf.model.layers import Numerics
 from dsuf.model.state import SequenceState
 from dsuf.worker.sampling import Sampler
@@ -25,23 +27,27 @@ log = logging.getLogger("dsuf.worker")
 
 
 class Worker:
-    def __init__(self, model, num: Numerics) -> None:
+    def __init__(self, model, num: Numerics, revision: str, arena: Arena | None = None) -> None:
         self.model = model
         self.num = num
+        self.revision = revision
+        self.arena = arena
         self.states: dict[int, SequenceState] = {}
         self.samplers: dict[int, Sampler] = {}
+        self.snapshots: dict[str, bytes] = {}  # made, waiting for their SnapshotWrite
 
     def run_step(self, step: Step) -> StepDone:
         """Run every sequence of the step in one batched forward, then sample each."""
         began = time.perf_counter()
         for seq in step.release:
             self._drop(seq)
+        written = self._write_snapshots(step)
         outputs: list[SeqOutput] = []
         runnable = []
         for work in step.work:
             try:  # check each sequence's input first, so one bad request cannot poison the batch
                 if work.params is not None:
-                    self.states[work.seq] = self.model.new_state(self.num)
+                    self.states[work.seq] = self._restore(work) if work.restore else self.model.new_state(self.num)
                     self.samplers[work.seq] = Sampler(work.params, self.model.config.vocab_size)
                 if work.seq not in self.states:
                     raise KeyError(f"sequence {work.seq} has no state")
@@ -49,21 +55,54 @@ class Worker:
                 if not work.tokens or not all(0 <= t < vocab for t in work.tokens):
                     raise ValueError(f"tokens must be a non-empty list of ids in [0, {vocab})")
                 runnable.append(work)
+            except SnapshotError as exc:  # a bad cached prefix costs a recompute, never the request
+                log.warning("sequence %d: cached prefix refused (%s); recomputing", work.seq, exc)
+                self._drop(work.seq)
+                outputs.append(SeqOutput(work.seq, error=f"cached prefix refused: {exc}", cache_miss=True))
             except Exception as exc:
                 outputs.append(self._fail(work.seq, exc))
+        made: list[SnapshotMade] = []
         try:
             batch = [(torch.tensor(w.tokens, dtype=torch.int64), self.states[w.seq]) for w in runnable]
             logits = self.model.forward_batch(batch, self.num) if batch else []
         except Exception as exc:  # states of this batch are no longer trustworthy: end these sequences
             outputs += [self._fail(w.seq, exc) for w in runnable]
-            return StepDone(step.step, outputs, time.perf_counter() - began)
+            return StepDone(step.step, outputs, time.perf_counter() - began, made, written)
         for work, row in zip(runnable, logits):
             try:
                 choice = self.samplers[work.seq].sample(row[-1]) if work.sample else None
+                if work.snapshot is not None:
+                    made.append(self._snapshot(work.seq, work.snapshot))
                 outputs.append(SeqOutput(work.seq, choice=choice))
             except Exception as exc:
                 outputs.append(self._fail(work.seq, exc))
-        return StepDone(step.step, outputs, time.perf_counter() - began)
+        return StepDone(step.step, outputs, time.perf_counter() - began, made, written)
+
+    # ---- snapshots (conversation caches) ---------------------------------------------------------
+
+    def _restore(self, work: SeqWork) -> SequenceState:
+        r = work.restore
+        if self.arena is None:
+            raise SnapshotError("this worker has no snapshot arena")
+        blob = self.arena.region(r.offset, r.size)
+        c = self.model.config
+        return restore_state(c, blob, model_id=c.name, revision=self.revision, tokens=Named(r.key, r.tokens))
+
+    def _snapshot(self, seq: int, key: str) -> SnapshotMade:
+        state = self.states[seq]
+        blob = snapshot_state(state, self.model.config.name, self.revision, Named(key, state.pos))
+        self.snapshots[key] = blob
+        return SnapshotMade(seq, key, state.pos, len(blob))
+
+    def _write_snapshots(self, step: Step) -> list[str]:
+        written = []
+        for w in step.writes:
+            blob = self.snapshots.pop(w.key, None)
+            if blob is None or w.offset < 0 or self.arena is None:
+                continue
+            self.arena.region(w.offset, len(blob))[:] = blob
+            written.append(w.key)
+        return written
 
     def _drop(self, seq: int) -> None:
         self.states.pop(seq, None)
@@ -86,7 +125,7 @@ def serve(args: argparse.Namespace) -> int:
         began = time.perf_counter()
         model = load_model(args.ckpt)
         num = Numerics.parse(args.numerics)
-        worker = Worker(model, num)
+        worker = Worker(model, num, args.revision, Arena.attach(args.arena) if args.arena else None)
         c = model.config
         outbox.send(Ready(model=c.name, vocab_size=c.vocab_size, eos_token_id=c.eos_token_id, load_seconds=time.perf_counter() - began))
     except Exception as exc:
@@ -111,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inbox-fd", type=int, required=True)
     parser.add_argument("--outbox", required=True)
     parser.add_argument("--outbox-fd", type=int, required=True)
+    parser.add_argument("--arena", default=None, help="shared-memory name of the front end's snapshot arena")
+    parser.add_argument("--revision", default="", help="the checkpoint's revision, written into snapshots")
     parser.add_argument("--threads", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
