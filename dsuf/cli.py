@@ -90,6 +90,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
     sys.exit(serve_main(args))
 
 
+def cmd_build_kernels(args: argparse.Namespace) -> None:
+    from dsuf.gpu.build import DEFAULT_ARCHS, KernelCache, KernelCompileError, NvrtcUnavailable, build_all
+
+    cache = KernelCache()
+    try:
+        results = build_all(args.arch or DEFAULT_ARCHS, cache)
+    except (KernelCompileError, NvrtcUnavailable) as exc:
+        raise SystemExit(f"dsuf: {exc}") from None
+    for r in results:
+        print(f"{r.name:14} {r.arch:8} {r.size:>9} B  {'compiled' if r.compiled else 'cached'}")
+    print(f"{len(results)} kernels ready in {cache.root} ({cache.compiles} compiled)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsuf", description="DeepSeek Ultrafast inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     p.add_argument("--max-new", type=int, default=32)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("build-kernels", help="compile every CUDA kernel with NVRTC into the kernel cache (no GPU needed)")
+    p.add_argument("--arch", action="append", help="target, e.g. sm_90a or sm_100a; repeatable (default: both)")
+    p.set_defaults(func=cmd_build_kernels)
     return parser
 
 

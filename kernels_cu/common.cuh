@@ -1,0 +1,93 @@
+// Shared device helpers for the dsuf kernels. Self-contained (no CUDA headers), so NVRTC needs no
+// include path: bf16/e4m3 conversions go through PTX `cvt`, scales are built from their bits.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define DSUF_DEVICE __device__ __forceinline__
+
+// Float32-rounded 1/448 (0x3b124925): the reference multiplies amax by this rather than dividing.
+#define FP8_MAX 448.0f
+#define FP8_MAX_INV __int_as_float(0x3b124925)
+#define FP8_AMAX_FLOOR 1e-4f
+
+DSUF_DEVICE float bf16_to_f32(u16 h) { return __int_as_float(((u32)h) << 16); }
+
+DSUF_DEVICE u16 f32_to_bf16(float f) {
+  u16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+// Two floats to two e4m3 bytes, round-to-nearest-even, saturating at ±448: lo goes to the low byte.
+DSUF_DEVICE u32 f32x2_to_e4m3x2(float lo, float hi) {
+  u16 d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// E8M0 scale byte to 2**(code - 127); code 0 is the float32 subnormal 2**-127.
+DSUF_DEVICE float e8m0_to_f32(u32 code) {
+  return __int_as_float(code ? (code << 23) : 0x00400000u);
+}
+
+// DeepSeek's activation scale: 2**ceil(log2(max(amax, 1e-4) * f32(1/448))), exponent read from
+// the bits (a float log can land on the wrong side of a power of two). Returns the exponent.
+DSUF_DEVICE int act_scale_exponent(float amax) {
+  u32 bits = __float_as_uint(fmaxf(amax, FP8_AMAX_FLOOR) * FP8_MAX_INV);
+  return (int)((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffff) != 0);
+}
+
+DSUF_DEVICE float pow2f(int e) { return __int_as_float((u32)(e + 127) << 23); }
+
+// Quantise 4 floats with the power-of-two scale 2**e: round_e4m3(clamp(x * 2**-e, ±448)).
+// Scaling by a power of two is exact, so this equals the reference's division.
+DSUF_DEVICE u32 quant4_e4m3(float a, float b, float c, float d, int e) {
+  float inv = pow2f(-e);
+  u32 lo = f32x2_to_e4m3x2(a * inv, b * inv);
+  u32 hi = f32x2_to_e4m3x2(c * inv, d * inv);
+  return lo | (hi << 16);
+}
+
+DSUF_DEVICE float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+DSUF_DEVICE double warp_sum(double v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// 16-byte streaming load of data read once (weights): skip L1. Not volatile: the data is
+// constant during a launch, so the compiler may hoist these loads for more bytes in flight.
+DSUF_DEVICE uint4 ld_stream(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// D = A(16x32 e4m3, row) * B(32x8 e4m3, col) + 0, fp32 result (see fragment layout in gemm.cuh).
+DSUF_DEVICE void mma_e4m3(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%10, %10, %10, %10};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+DSUF_DEVICE void mma_e4m3_acc(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}

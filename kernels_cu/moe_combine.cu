@@ -1,0 +1,39 @@
+// The MoE output of each token, as the reference MoE sums it: the routed experts' bf16 outputs
+// added in float32 in ascending expert order (starting from zero), then the shared expert's,
+// rounded once to bf16. routed [T*topk, D] (pair t*topk + j is token t's j-th expert),
+// shared [T, D], expert [T*topk]; out [T, D]. grid = (D / 2048, T), 256 threads x 8 elements.
+#include "common.cuh"
+
+#define MAX_TOPK 16
+
+extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
+    const u16* __restrict__ routed, const u16* __restrict__ shared, const int* __restrict__ expert,
+    u16* __restrict__ out, int D, int topk) {
+  __shared__ int order[MAX_TOPK];
+  const int tok = blockIdx.y;
+  if (threadIdx.x < topk) {
+    const int mine = expert[tok * topk + threadIdx.x];
+    int rank = 0;
+    for (int j = 0; j < topk; ++j) rank += expert[tok * topk + j] < mine;
+    order[rank] = threadIdx.x;
+  }
+  __syncthreads();
+
+  const int d = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  if (d >= D) return;
+  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  for (int r = 0; r <= topk; ++r) {
+    const u16* src = r < topk ? routed + ((i64)tok * topk + order[r]) * D : shared + (i64)tok * D;
+    const uint4 v = *reinterpret_cast<const uint4*>(src + d);
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      acc[2 * i] += bf16_to_f32(w[i] & 0xffff);
+      acc[2 * i + 1] += bf16_to_f32(w[i] >> 16);
+    }
+  }
+  u32 o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = f32_to_bf16(acc[2 * i]) | ((u32)f32_to_bf16(acc[2 * i + 1]) << 16);
+  *reinterpret_cast<uint4*>(out + (i64)tok * D + d) = make_uint4(o[0], o[1], o[2], o[3]);
+}

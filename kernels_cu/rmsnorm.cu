@@ -1,0 +1,84 @@
+// RMSNorm as the reference computes it (layers.rms_norm): the sum of squares in float64,
+// r = float(1 / sqrt(mean + eps)), y = bf16(w * (x * r)) in float32; w may be absent (the V4
+// per-head q norm). hc_collapse_rmsnorm first collapses the mHC streams, y = sum_i pre_i X_i in
+// float64 rounded to float32 then bf16 (layers.hc_collapse), and normalises that: the pair that
+// precedes every attention and MoE block. One CTA of 256 threads per row, 8 elements a thread
+// per pass, D % 8 == 0 and D <= 8192.
+#include "common.cuh"
+
+#define VPT 4  // 16-byte vectors per thread: D <= 256 * 8 * VPT
+
+template <bool COLLAPSE>
+DSUF_DEVICE void rmsnorm_row(const u16* __restrict__ x, const float* __restrict__ pre, int n,
+                             const float* __restrict__ w, u16* __restrict__ out, int D, float eps) {
+  __shared__ double partial[8];
+  const int row = blockIdx.x;
+  float y[VPT][8];
+  double ss = 0.0;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int d = (threadIdx.x + v * 256) * 8;
+    if (d >= D) break;
+    if (COLLAPSE) {
+      double s[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+      for (int i = 0; i < n; ++i) {
+        const double p = pre[(i64)row * n + i];
+        const uint4 raw = *reinterpret_cast<const uint4*>(x + ((i64)row * n + i) * D + d);
+        const u32 q[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          s[2 * k] += p * (double)bf16_to_f32(q[k] & 0xffff);
+          s[2 * k + 1] += p * (double)bf16_to_f32(q[k] >> 16);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) y[v][k] = bf16_to_f32(f32_to_bf16((float)s[k]));
+    } else {
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + (i64)row * D + d);
+      const u32 q[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        y[v][2 * k] = bf16_to_f32(q[k] & 0xffff);
+        y[v][2 * k + 1] = bf16_to_f32(q[k] >> 16);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) ss += (double)y[v][k] * (double)y[v][k];
+  }
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  double total = 0.0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) total += partial[i];
+  const float r = (float)(1.0 / sqrt(total / D + (double)eps));
+
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int d = (threadIdx.x + v * 256) * 8;
+    if (d >= D) break;
+    u32 o[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float a = y[v][2 * k] * r, b = y[v][2 * k + 1] * r;
+      if (w) {
+        a = w[d + 2 * k] * a;
+        b = w[d + 2 * k + 1] * b;
+      }
+      o[k] = f32_to_bf16(a) | ((u32)f32_to_bf16(b) << 16);
+    }
+    *reinterpret_cast<uint4*>(out + (i64)row * D + d) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
+// x [rows, D] bf16, w [D] float32 or null -> out [rows, D] bf16.
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_bf16(
+    const u16* x, const float* w, u16* out, int D, float eps) {
+  rmsnorm_row<false>(x, nullptr, 1, w, out, D, eps);
+}
+
+// X [rows, n, D] bf16 streams, pre [rows, n] float32, w [D] float32 -> out [rows, D] bf16.
+extern "C" __global__ void __launch_bounds__(256) hc_collapse_rmsnorm_bf16(
+    const u16* x, const float* pre, int n, const float* w, u16* out, int D, float eps) {
+  rmsnorm_row<true>(x, pre, n, w, out, D, eps);
+}
