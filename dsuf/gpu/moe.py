@@ -1,0 +1,185 @@
+"""The MoE layer at decode time on the GPU: routed FP4 experts plus the FP8 shared expert, computed
+as `layers.MoE` computes them in reference numerics (routing itself stays in torch).
+
+For T tokens with top-k experts there are P = T*k (token, expert) pairs; each pair streams its
+expert's weights once, so a decode step reads 6 routed experts (FP4, 12.75 MB each at V4-Flash
+shapes) and the shared expert (FP8, 25 MB) per token. Five launches:
+
+1. act_quant(x) -> e4m3 x and per-128 scales (shared by every expert);
+2. routed w1/w3 for all pairs, with clamp, silu(gate)*up, routing weight, bf16 rounding and w2's
+   act_quant fused into the split-K epilogue; the same for the shared expert (FP8, all tokens);
+3. routed w2 for all pairs (bf16 [P, D]) and the shared w2 (bf16 [T, D]);
+4. the combine: per token, the routed outputs summed in ascending expert order, then the shared.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from .linear import BLOCK, CTA_ROWS, MAX_TOKENS, GemmParams, act_quant, choose_splits, launch_fp8, scale_bytes, sm_count
+from .runtime import get_kernel, ptr
+
+FP4_BLOCK = 32  # elements per E8M0 scale of an FP4 expert weight
+
+
+def permute_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint-layout packed FP4 [..., K/2] (int8/uint8) to the kernel layout (uint8): in every
+    64-byte chunk (128 elements) the sixteen 4-byte words are transposed as a 4x4 matrix,
+    new[16t + 4i + b] = old[16i + 4t + b], so one 16-byte load gives a lane the word of each of
+    the chunk's four 32-element k-steps (kernels_cu/gemm.cu)."""
+    u = packed.contiguous().view(torch.uint8)
+    if u.shape[-1] % 64:
+        raise ValueError(f"permute_fp4: packed rows must be a multiple of 64 bytes, got {u.shape[-1]}")
+    chunks = u.reshape(*u.shape[:-1], u.shape[-1] // 64, 4, 4, 4)  # [..., chunk, i, t, b]
+    return chunks.transpose(-3, -2).contiguous().reshape(u.shape)
+
+
+@dataclass
+class Fp4Experts:
+    """Routed experts stacked along dim 0: w1/w3 [E, I, D/2], w2 [E, D, I/2] in kernel layout
+    (permute_fp4), scales [E, rows, K/32] as uint8 E8M0 codes."""
+
+    w1: torch.Tensor
+    s1: torch.Tensor
+    w3: torch.Tensor
+    s3: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+
+    @staticmethod
+    def from_checkpoint(w1, s1, w3, s3, w2, s2) -> "Fp4Experts":
+        """From stacked checkpoint tensors (int8 packed FP4 [E, rows, K/2], E8M0 [E, rows, K/32])."""
+        e, i, half_d = w1.shape
+        d = 2 * half_d
+        if w3.shape != w1.shape or tuple(w2.shape) != (e, d, i // 2):
+            raise ValueError(f"Fp4Experts: shapes w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)} disagree")
+        for name, s, rows, k in (("s1", s1, i, d), ("s3", s3, i, d), ("s2", s2, d, i)):
+            if tuple(s.shape) != (e, rows, k // FP4_BLOCK):
+                raise ValueError(f"Fp4Experts: {name} shape {tuple(s.shape)} != {(e, rows, k // FP4_BLOCK)}")
+        if i % CTA_ROWS or d % CTA_ROWS:
+            raise ValueError(f"Fp4Experts: dims must be multiples of {CTA_ROWS}, got I={i}, D={d}")
+        return Fp4Experts(
+            permute_fp4(w1), scale_bytes(s1), permute_fp4(w3), scale_bytes(s3), permute_fp4(w2), scale_bytes(s2)
+        )
+
+    @property
+    def dim(self) -> int:
+        return self.w2.shape[1]
+
+    @property
+    def inter(self) -> int:
+        return self.w1.shape[1]
+
+
+@dataclass
+class Fp8Expert:
+    """The shared expert in checkpoint layout: e4m3 w1/w3 [I, D], w2 [D, I], E8M0 [rows/128, K/128]."""
+
+    w1: torch.Tensor
+    s1: torch.Tensor
+    w3: torch.Tensor
+    s3: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.s1, self.s3, self.s2 = scale_bytes(self.s1), scale_bytes(self.s3), scale_bytes(self.s2)
+        self.w1, self.w3, self.w2 = self.w1.contiguous(), self.w3.contiguous(), self.w2.contiguous()
+
+
+class MoeDecode:
+    """y = Σ_routed + shared for decode-sized batches; `limit` is the SwiGLU clamp (swiglu_limit).
+
+    Holds split-K arrival counters, so one instance must not run on two streams at once."""
+
+    def __init__(self, routed: Fp4Experts, shared: Fp8Expert, limit: float) -> None:
+        self.routed = routed
+        self.shared = shared
+        self.limit = float(limit)
+        self.counter = torch.zeros(0, dtype=torch.int32, device=routed.w1.device)
+
+    def _counter(self, entries: int) -> torch.Tensor:
+        if self.counter.numel() < entries:  # zeroed once; every launch leaves it zero again
+            self.counter = torch.zeros(entries, dtype=torch.int32, device=self.counter.device)
+        return self.counter
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x bf16 [T, D]; weights float32 [T, k] and idx [T, k] from the router -> bf16 [T, D]."""
+        t, k = idx.shape
+        if not 1 <= k <= 16 or self.routed.dim % 2048:
+            raise ValueError(f"MoeDecode: top-k must be 1..16 and D a multiple of 2048, got k={k}, D={self.routed.dim}")
+        xq, sx = act_quant(x)
+        expert = idx.reshape(-1).to(torch.int32)
+        hq, sh = self.routed_gate_up(xq, sx, expert, weights.reshape(-1), k)
+        y_routed = self.routed_down(hq, sh, expert)
+        y_shared = self.shared_forward(xq, sx)
+        if out is None:
+            out = torch.empty((t, self.routed.dim), dtype=torch.bfloat16, device=x.device)
+        get_kernel("moe_combine", "moe_combine_bf16", x.device)(
+            (self.routed.dim // 2048, t, 1),
+            256,
+            [ptr(y_routed), ptr(y_shared), ptr(expert), ptr(out), ctypes.c_int(self.routed.dim), ctypes.c_int(k)],
+        )
+        return out
+
+    def routed_gate_up(
+        self, xq: torch.Tensor, sx: torch.Tensor, expert: torch.Tensor, route_w: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pairs p = t*k + j: h = route_w[p] * silu(clamp(x_t W1ᵀ)) * clamp(x_t W3ᵀ), rounded to bf16
+        and act-quantised: (e4m3 [P, I], float32 scales [P, I/128])."""
+        pairs = expert.numel()
+        x_row = torch.arange(xq.shape[0], device=xq.device, dtype=torch.int32).repeat_interleave(k)
+        hq = torch.empty((pairs, self.routed.inter), dtype=torch.float8_e4m3fn, device=xq.device)
+        sh = torch.empty((pairs, self.routed.inter // BLOCK), dtype=torch.float32, device=xq.device)
+        r = self.routed
+        self._launch(
+            "fp4_swiglu_pairs", (r.w1, r.s1), (r.w3, r.s3), expert, x_row, route_w.float().contiguous(), xq, sx, hq, sh
+        )
+        return hq, sh
+
+    def routed_down(self, hq: torch.Tensor, sh: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Each pair's w2 on its own h row: bf16 [P, D] (rounded per expert, as the reference)."""
+        y = torch.empty((expert.numel(), self.routed.dim), dtype=torch.bfloat16, device=hq.device)
+        self._launch("fp4_gemm_bf16_pairs", (self.routed.w2, self.routed.s2), None, expert, None, None, hq, sh, y, None)
+        return y
+
+    def shared_forward(self, xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+        """The shared expert on every token: bf16 [T, D]."""
+        s = self.shared
+        t = xq.shape[0]
+        inter, dim = s.w1.shape[0], s.w2.shape[0]
+        hq = torch.empty((t, inter), dtype=torch.float8_e4m3fn, device=xq.device)
+        sh = torch.empty((t, inter // BLOCK), dtype=torch.float32, device=xq.device)
+        y = torch.empty((t, dim), dtype=torch.bfloat16, device=xq.device)
+        counter = self._counter(max(inter, dim) // CTA_ROWS)
+        for lo in range(0, t, MAX_TOKENS):
+            hi = min(t, lo + MAX_TOKENS)
+            launch_fp8(s.w1, s.s1, (s.w3, s.s3), xq[lo:hi], sx[lo:hi], hq[lo:hi], sh[lo:hi], counter, self.limit)
+            launch_fp8(s.w2, s.s2, None, hq[lo:hi], sh[lo:hi], y[lo:hi], None, counter)
+        return y
+
+    def _launch(self, name, w, w_up, expert, x_row, route_w, xq, sx, out, out_scale) -> None:
+        """One FP4 pairs launch: N rows of w per expert, K = xq's width, one token per pair."""
+        pairs = expert.numel()
+        n, k = w[0].shape[1], xq.shape[1]
+        mats = 2 if w_up is not None else 1
+        tiles = pairs * (n // CTA_ROWS) * mats
+        splits = choose_splits(tiles, k // BLOCK, 2 * sm_count(xq.device), n * 4 * mats * 2 * pairs, pairs * mats * n * k // 2)
+        partial = torch.empty(tiles * splits * CTA_ROWS if mats * splits > 1 else 1, dtype=torch.float32, device=xq.device)
+        counter = self._counter(pairs * (n // CTA_ROWS))
+        p = GemmParams()
+        p.w[0], p.ws[0] = w[0].data_ptr(), w[1].data_ptr()
+        if w_up is not None:
+            p.w[1], p.ws[1] = w_up[0].data_ptr(), w_up[1].data_ptr()
+        p.expert = expert.data_ptr()
+        p.xq, p.sx = xq.data_ptr(), sx.data_ptr()
+        p.x_row = x_row.data_ptr() if x_row is not None else 0
+        p.route_w = route_w.data_ptr() if route_w is not None else 0
+        p.out = out.data_ptr()
+        p.out_scale = out_scale.data_ptr() if out_scale is not None else 0
+        p.partial, p.counter = partial.data_ptr(), counter.data_ptr()
+        p.N, p.K, p.cols, p.splits, p.limit = n, k, 1, splits, self.limit
+        get_kernel("gemm", name, xq.device)((n // CTA_ROWS, mats * splits, pairs), 256, [p])

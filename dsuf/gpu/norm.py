@@ -1,0 +1,60 @@
+"""RMSNorm kernels (kernels_cu/rmsnorm.cu), numerically the reference's `layers.rms_norm` and
+`layers.hc_collapse` followed by it."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .runtime import get_kernel, ptr
+
+MAX_DIM = 8192
+
+
+def _check_dim(d: int) -> None:
+    if d % 8 or d > MAX_DIM:
+        raise ValueError(f"rms_norm: the last dim must be a multiple of 8 and at most {MAX_DIM}, got {d}")
+
+
+def _weight(weight: torch.Tensor | None, d: int) -> torch.Tensor | None:
+    if weight is None:
+        return None
+    if tuple(weight.shape) != (d,):
+        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} != ({d},)")
+    return weight.float().contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """bf16 [..., D] normalised over the last dim, times weight (float32 [D]) if given."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"rms_norm: expected bfloat16, got {x.dtype}")
+    d = x.shape[-1]
+    _check_dim(d)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows = x.numel() // d
+    if rows:
+        get_kernel("rmsnorm", "rmsnorm_bf16", x.device)(
+            (rows, 1, 1), 256, [ptr(x), ptr(_weight(weight, d)), ptr(out), ctypes.c_int(d), ctypes.c_float(eps)]
+        )
+    return out
+
+
+def hc_collapse_rms_norm(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """rms_norm(hc_collapse(x, pre)): the mHC streams x bf16 [T, n, D] mixed with pre float32
+    [T, n] into bf16 [T, D], then normalised."""
+    if x.dtype != torch.bfloat16 or x.dim() != 3 or tuple(pre.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"hc_collapse_rms_norm: need bf16 [T, n, D] and pre [T, n], got {x.dtype} {tuple(x.shape)}, {tuple(pre.shape)}")
+    t, n, d = x.shape
+    _check_dim(d)
+    x = x.contiguous()
+    pre = pre.float().contiguous()
+    out = torch.empty((t, d), dtype=torch.bfloat16, device=x.device)
+    if t:
+        get_kernel("rmsnorm", "hc_collapse_rmsnorm_bf16", x.device)(
+            (t, 1, 1),
+            256,
+            [ptr(x), ptr(pre), ctypes.c_int(n), ptr(_weight(weight, d)), ptr(out), ctypes.c_int(d), ctypes.c_float(eps)],
+        )
+    return out

@@ -1,0 +1,100 @@
+"""Loading NVRTC-built kernels with the CUDA driver API and launching them on torch's streams.
+
+A kernel file is compiled once per architecture (see build.py), loaded with cuLibraryLoadData
+(context-independent: the driver loads it into a context on first use) and launched with
+cuLaunchKernel on the caller's current torch stream, so kernels order with torch's own work and
+can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from .build import KernelCache, load_source
+
+Arg = ctypes.c_void_p | ctypes.c_int | ctypes.c_float | ctypes.Structure
+
+
+def device_arch(device: torch.device | int | None = None) -> str:
+    """The NVRTC target of a CUDA device: sm_90a on Hopper, sm_100a on B200/B300, else sm_XY."""
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = f"sm_{major}{minor}"
+    return arch + "a" if (major, minor) in ((9, 0), (10, 0)) else arch
+
+
+def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    """A tensor's device address as a kernel argument (None: a null pointer)."""
+    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _check(err, what: str) -> None:
+    driver = _driver()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, text = driver.cuGetErrorString(err)
+        raise RuntimeError(f"{what} failed: {err.name} ({text.decode() if text else '?'})")
+
+
+class Kernel:
+    """One `extern "C"` kernel of a loaded library."""
+
+    def __init__(self, handle, name: str) -> None:
+        self.name = name
+        self._function = _driver().CUfunction(int(handle))
+
+    def __call__(
+        self,
+        grid: tuple[int, int, int],
+        block: int,
+        args: Sequence[Arg],
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """Launch on `stream` (default: the current stream). Errors in the launch itself raise
+        here; faults inside the kernel surface at the next synchronisation, as with torch."""
+        driver = _driver()
+        if min(grid) < 1:
+            raise ValueError(f"{self.name}: empty grid {grid}")
+        stream = stream or torch.cuda.current_stream()
+        params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+        (err,) = driver.cuLaunchKernel(
+            self._function, *grid, block, 1, 1, 0, driver.CUstream(stream.cuda_stream), ctypes.addressof(params), 0
+        )
+        _check(err, f"cuLaunchKernel({self.name})")
+
+
+_lock = threading.Lock()
+
+
+@functools.cache
+def _library(source_name: str, arch: str):
+    driver = _driver()
+    (err,) = driver.cuInit(0)
+    _check(err, "cuInit")
+    cubin = KernelCache().get(load_source(source_name), arch)
+    err, library = driver.cuLibraryLoadData(cubin, None, None, 0, None, None, 0)
+    _check(err, f"cuLibraryLoadData(kernels_cu/{source_name}.cu, {arch})")
+    return library
+
+
+@functools.cache
+def _kernel(source_name: str, name: str, arch: str) -> Kernel:
+    err, handle = _driver().cuLibraryGetKernel(_library(source_name, arch), name.encode())
+    _check(err, f"cuLibraryGetKernel({name} in kernels_cu/{source_name}.cu)")
+    return Kernel(handle, name)
+
+
+def get_kernel(source_name: str, name: str, device: torch.device | int | None = None) -> Kernel:
+    """Kernel `name` of kernels_cu/SOURCE_NAME.cu built for the device's architecture (compiled
+    or read from the cache on first use, then held for the process)."""
+    with _lock:
+        return _kernel(source_name, name, device_arch(device))

@@ -1,0 +1,68 @@
+"""FP8 activation quantisation and the block-scaled FP8 linear against the reference Linear in
+reference numerics (float64 accumulation of the act-quantised input and dequantised weight)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_checks import compare, random_activations, random_fp8_weight
+
+from dsuf.gpu.linear import Fp8Linear, act_quant
+from dsuf.model import quant
+from dsuf.model.layers import Linear, Numerics
+
+# V4-Flash FP8 linears that run at decode: (out_features, in_features).
+SHAPES = {
+    "attn.wq_a": (1024, 4096),
+    "attn.wkv": (512, 4096),
+    "attn.wq_b": (32768, 1024),
+    "attn.wo_b": (4096, 8192),
+    "indexer.wq_b": (8192, 1024),
+    "shared.w1": (2048, 4096),
+    "shared.w2": (4096, 2048),
+}
+
+
+@pytest.mark.parametrize("m, k", [(1, 4096), (8, 4096), (32, 8192), (5, 1024)])
+def test_act_quant_matches_reference(cuda, m, k):
+    x = random_activations(m, k, cuda)
+    xq, sx = act_quant(x)
+    got = xq.float().view(m, k // 128, 128) * sx.unsqueeze(-1)
+    ref = quant.act_quant_fp8(x, 128).float().view(m, k // 128, 128)
+    assert torch.equal(got, ref), float((got - ref).abs().max())
+    # The scales are DeepSeek's: powers of two with amax / scale in (224, 448].
+    amax = x.float().view(m, k // 128, 128).abs().amax(-1).clamp_min(1e-4)
+    assert torch.equal(torch.exp2(torch.log2(sx).round()), sx)
+    assert bool(((amax / sx) <= 448).all())
+
+
+def reference(w: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """layers.Linear in reference numerics, before its bf16 rounding (float32 [M, N])."""
+    return Linear(quant.dequant_fp8_weight(w, s, 128), act_block=128)(x, Numerics(), torch.float32)
+
+
+@pytest.mark.parametrize("m", [1, 8, 13, 32])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_fp8_linear(cuda, name, m):
+    n, k = SHAPES[name]
+    w, s = random_fp8_weight(n, k, cuda)
+    x = random_activations(m, k, cuda)
+    lin = Fp8Linear(w, s)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=cuda)  # poison
+    lin(x, out=out)
+    ref = reference(w, s, x)
+    rel, worst = compare(f"{name} [{n}, {k}] x {m} tokens", out, ref)
+    # bf16 rounding alone gives ~1e-3 relative and 0.5 ulp; the tensor cores sum each 128-block
+    # in fp32 in another order than the float64 reference.
+    assert rel < 2.5e-3
+    assert worst <= 1.0
+    assert torch.equal(lin(x), out), "not deterministic"
+
+
+def test_fp8_linear_beyond_one_launch(cuda):
+    """More than 32 tokens run as 32-token slices."""
+    n, k = SHAPES["attn.wq_a"]
+    w, s = random_fp8_weight(n, k, cuda)
+    x = random_activations(70, k, cuda)
+    rel, worst = compare("attn.wq_a x 70 tokens", Fp8Linear(w, s)(x), reference(w, s, x))
+    assert rel < 2.5e-3 and worst <= 1.0

@@ -1,0 +1,131 @@
+"""The decode MoE (routed FP4 experts + FP8 shared expert) against layers.MoE / layers.Expert in
+reference numerics, at V4-Flash shapes: D = 4096, moe_inter = 2048, top-6, swiglu_limit 10."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gpu_checks import compare, random_activations, random_fp4_weight, random_fp8_weight
+
+from dsuf.gpu.linear import act_quant
+from dsuf.gpu.moe import Fp4Experts, Fp8Expert, MoeDecode, permute_fp4
+from dsuf.model import quant
+from dsuf.model.layers import Expert, Linear, MoE, Numerics, f64
+
+D, INTER, EXPERTS, TOPK, LIMIT = 4096, 2048, 8, 6, 10.0
+NUM = Numerics()
+
+
+def test_permute_fp4_layout():
+    """new[16t + 4i + b] = old[16i + 4t + b] inside every 64-byte chunk (CPU only)."""
+    old = torch.randint(0, 256, (3, 256), dtype=torch.uint8)
+    new = permute_fp4(old.view(torch.int8))
+    for chunk in range(4):
+        for t in range(4):
+            for i in range(4):
+                for b in range(4):
+                    assert new[:, 64 * chunk + 16 * t + 4 * i + b].equal(old[:, 64 * chunk + 16 * i + 4 * t + b])
+
+
+@pytest.fixture(scope="module")
+def moe_pair():
+    """(kernel MoeDecode, reference layers.MoE) over the same random checkpoint tensors."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    dev = torch.device("cuda")
+    torch.seed()
+    routed = {name: [] for name in ("w1", "s1", "w3", "s3", "w2", "s2")}
+    experts = []
+    for _ in range(EXPERTS):
+        (w1, s1), (w3, s3) = random_fp4_weight(INTER, D, dev), random_fp4_weight(INTER, D, dev)
+        w2, s2 = random_fp4_weight(D, INTER, dev)
+        for name, t in zip(routed, (w1, s1, w3, s3, w2, s2)):
+            routed[name].append(t.view(torch.uint8) if name[0] == "s" else t)  # stack E8M0 as bytes
+        lin = [Linear(quant.dequant_fp4_weight(w, s), act_block=128) for w, s in ((w1, s1), (w2, s2), (w3, s3))]
+        experts.append(Expert(*lin, LIMIT))
+    (w1, s1), (w3, s3), (w2, s2) = (random_fp8_weight(INTER, D, dev), random_fp8_weight(INTER, D, dev), random_fp8_weight(D, INTER, dev))
+    shared = Expert(
+        *(Linear(quant.dequant_fp8_weight(w, s, 128), act_block=128) for w, s in ((w1, s1), (w2, s2), (w3, s3))), LIMIT
+    )
+    kernel = MoeDecode(
+        Fp4Experts.from_checkpoint(*(torch.stack(routed[n]) for n in routed)), Fp8Expert(w1, s1, w3, s3, w2, s2), LIMIT
+    )
+    reference = MoE(
+        gate=(torch.randn(EXPERTS, D, device=dev) * 0.05).double(),
+        bias=torch.randn(EXPERTS, device=dev) * 0.01,
+        tid2eid=None,
+        experts=experts,
+        shared=shared,
+        top_k=TOPK,
+        route_scale=1.5,
+    )
+    return kernel, reference
+
+
+def reference_moe(moe: MoE, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """MoE.__call__'s combine with its accumulator on x's device."""
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in idx.unique().tolist():
+        rows, slot = torch.where(idx == e)
+        y[rows] += moe.experts[e](x[rows], NUM, weights[rows, slot, None]).float()
+    y += moe.shared(x, NUM).float()
+    return y.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_routed_gate_up(cuda, moe_pair, tokens):
+    kernel, moe = moe_pair
+    x = random_activations(tokens, D, cuda)
+    weights, idx = moe.route(x, None)
+    xq, sx = act_quant(x)
+    hq, sh = kernel.routed_gate_up(xq, sx, idx.reshape(-1).int(), weights.reshape(-1), TOPK)
+    got = hq.float() * sh.repeat_interleave(128, -1)
+    ref = []
+    for t in range(tokens):
+        for j in range(TOPK):
+            ex = moe.experts[int(idx[t, j])]
+            gate = ex.w1(x[t : t + 1], NUM, torch.float32).clamp(max=LIMIT)
+            up = ex.w3(x[t : t + 1], NUM, torch.float32).clamp(-LIMIT, LIMIT)
+            h = weights[t, j] * (f64(F.silu, gate) * up)
+            ref.append(quant.act_quant_fp8(h.to(torch.bfloat16), 128).float())
+    ref = torch.cat(ref)
+    rel, _ = compare(f"routed w1/w3 + SwiGLU + act_quant, {tokens} x {TOPK} pairs", got, ref)
+    # Equal but where the fp32 sums put h on the other side of a bf16 / e4m3 rounding boundary.
+    assert rel < 2e-3
+    assert (got == ref).float().mean() > 0.998
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_routed_down(cuda, moe_pair, tokens):
+    kernel, moe = moe_pair
+    idx = torch.stack([torch.randperm(EXPERTS, device=cuda)[:TOPK] for _ in range(tokens)])
+    h = random_activations(tokens * TOPK, INTER, cuda)
+    hq, sh = act_quant(h)
+    got = kernel.routed_down(hq, sh, idx.reshape(-1).int())
+    ref = torch.cat([moe.experts[int(e)].w2(h[p : p + 1], NUM, torch.float32) for p, e in enumerate(idx.reshape(-1))])
+    rel, worst = compare(f"routed w2, {tokens} x {TOPK} pairs", got, ref)
+    assert rel < 2.5e-3 and worst <= 1.0
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 32])
+def test_shared_expert(cuda, moe_pair, tokens):
+    kernel, moe = moe_pair
+    x = random_activations(tokens, D, cuda)
+    xq, sx = act_quant(x)
+    got = kernel.shared_forward(xq, sx)
+    ref = moe.shared(x, NUM)  # bf16, as the reference rounds it
+    rel, worst = compare(f"shared expert x {tokens} tokens", got, ref)
+    assert rel < 3e-3 and worst <= 2.0
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_moe_decode(cuda, moe_pair, tokens):
+    kernel, moe = moe_pair
+    x = random_activations(tokens, D, cuda)
+    weights, idx = moe.route(x, None)
+    out = torch.full((tokens, D), float("nan"), dtype=torch.bfloat16, device=cuda)  # poison
+    kernel(x, weights, idx, out=out)
+    rel, worst = compare(f"MoE decode, {tokens} tokens x ({TOPK} routed + shared)", out, reference_moe(moe, x, weights, idx))
+    assert rel < 4e-3 and worst <= 2.0
+    assert torch.equal(kernel(x, weights, idx), out), "not deterministic"
