@@ -102,6 +102,7 @@ POOL_PER_ADDR = 4  # idle connections a fetcher keeps per owner
 POOL_IDLE_SECONDS = 60.0  # a pooled connection older than this is closed, not reused
 SERVER_IDLE_SECONDS = 300.0  # the owner closes a connection idle this long without a lease
 HANDSHAKE_SECONDS = 10.0  # the owner's bound on a peer's authentication
+RDMA_BACKOFF_SECONDS = 30.0  # after an RDMA failure, fetch from that owner over TCP this long
 
 _OWNER_LABEL = b"dsuf-kv/1 owner\0"
 _FETCHER_LABEL = b"dsuf-kv/1 fetcher\0"
@@ -617,10 +618,11 @@ class _InStep(Exception):
 class _Channel:
     """One authenticated control connection from a fetcher to an owner, maybe with an RDMA QP."""
 
-    def __init__(self, conn: _Conn, addr: str, qp: RcQueuePair | None) -> None:
+    def __init__(self, conn: _Conn, addr: str, qp: RcQueuePair | None, wants_rdma: bool) -> None:
         self.conn = conn
         self.addr = addr
         self.qp = qp  # our QP; offered (its info sent) until the owner connects its side
+        self.wants_rdma = wants_rdma  # made for RDMA (False: a TCP-only connection)
         self.qp_ready = False
         self.pending = b""  # our proof, sent with the first acquire (saves a round trip)
         self.idle_since = 0.0
@@ -677,6 +679,7 @@ class KvFetcher:
         self._device: RdmaDevice | None = None
         self._mr: ArenaMR | None = None
         self._pool: dict[str, list[_Channel]] = {}
+        self._rdma_backoff: dict[str, float] = {}  # owner -> monotonic time until which we use TCP
         self._closed = False
 
     @property
@@ -708,7 +711,7 @@ class KvFetcher:
             raise TransferError(f"bad key {key!r}")
         if not isinstance(epoch, int) or not 0 <= epoch < 2**63:
             raise TransferError(f"bad epoch {epoch!r}")
-        use_rdma = await self._rdma_ready()
+        use_rdma = await self._rdma_ready() and self._rdma_backoff.get(addr, 0.0) <= time.monotonic()
         chan: _Channel | None = await self._checkout(addr, use_rdma)
         try:
             grant = await self._start(chan, key, epoch, alloc)
@@ -723,7 +726,11 @@ class KvFetcher:
                     except RdmaError as e:
                         chan.close()
                         chan = None
-                        log.info("kv transfer: RDMA fetch of %s from %s failed (%s); retrying once over TCP", key, addr, e)
+                        self._rdma_backoff[addr] = time.monotonic() + RDMA_BACKOFF_SECONDS
+                        log.info(
+                            "kv transfer: RDMA fetch of %s from %s failed (%s); retrying once over TCP, "
+                            "and using TCP to that owner for %.0fs", key, addr, e, RDMA_BACKOFF_SECONDS,
+                        )  # fmt: skip
                         await self._retry_tcp(addr, key, epoch, dst)
                         return dst
                 else:
@@ -763,9 +770,9 @@ class KvFetcher:
         pool = self._pool.get(addr)
         while pool:
             chan = pool.pop()
-            if chan.usable():
+            if chan.usable() and (chan.wants_rdma or not use_rdma):
                 return chan
-            chan.close()
+            chan.close()  # dead, or TCP-only while we want RDMA again
         return await self._connect(addr, use_rdma)
 
     def _checkin(self, chan: _Channel) -> None:
@@ -817,7 +824,7 @@ class KvFetcher:
                     qp = self._device.create_qp(responder=False)
                 except RdmaError as e:
                     log.info("kv transfer: could not create an RDMA queue pair (%s); using TCP to %s", e, addr)
-            chan = _Channel(conn, addr, qp)
+            chan = _Channel(conn, addr, qp, use_rdma)
             chan.pending = _frame(Proof(proof=_mac(self._secret, _FETCHER_LABEL, nonce_f, msg.nonce)))
             return chan
         except BaseException as e:
