@@ -307,8 +307,8 @@ class ChatFrontend:
             req["max_tokens"] = req["max_completion_tokens"]
         logit_bias = self._logit_bias(req.get("logit_bias"))
         forced = self._forced_tokens(req.pop("dsuf_forced_tokens", None))
-        conversation = req.get("prompt_cache_key")
-        if conversation is not None and (not isinstance(conversation, str) or not 0 < len(conversation) <= 256):
+        cache_key = req.get("prompt_cache_key")
+        if cache_key is not None and (not isinstance(cache_key, str) or not 0 < len(cache_key) <= 256):
             raise ChatError(400, "prompt_cache_key must be a string of 1 to 256 characters", param="prompt_cache_key")
         top_k = req.pop("top_k", None)  # a common extension (vLLM, SGLang) the recipe does not know
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
@@ -353,7 +353,7 @@ class ChatFrontend:
             logit_bias=logit_bias,
             forced_tokens=forced,
             top_k=0 if thinking else (top_k or 0),
-            conversation=conversation,
+            conversation=cache_key,
             created=int(time.time()),
             _conversion=conv,
             _tokenizer=self._tokenizer,
