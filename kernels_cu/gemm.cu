@@ -24,16 +24,17 @@
 struct GemmParams {
   const u8* w[2];         // weights of mat 0 (or the gate) and mat 1 (the up projection)
   const u8* ws[2];        // their E8M0 scales
-  const int* expert;      // [items] expert of each item (FP4), or null
+  const int* expert;      // FP4: [pairs] expert of each (token, expert) pair
+  const int* order;       // FP4: [pairs] pair indices sorted by expert, or null (as given)
   const u8* xq;           // [rows, K] e4m3 activations
   const float* sx;        // [rows, K/128] activation scales
-  const int* x_row;       // [items] activation row of each item's first column, or null (= item)
-  const float* route_w;   // [items] weight multiplied into the SwiGLU output, or null (= 1)
+  const float* route_w;   // FP4: [pairs] weight multiplied into the SwiGLU output, or null (= 1)
   void* out;              // STORE: bf16 [rows_out, N]; SWIGLU: e4m3 [rows_out, N]
   float* out_scale;       // SWIGLU: [rows_out, N/128] scales of `out`
-  float* partial;         // split-K partials [items, N/128, mats, splits, cols, 128]
+  float* partial;         // split-K partials [items, N/128, mats, splits, 8 * MT, 128]
   int* counter;           // [items, N/128] arrivals; zero between launches (the last CTA resets)
-  int N, K, cols, splits; // cols: activation rows per item (tokens), at most 8 * MT
+  int N, K, cols, splits; // cols: FP8 tokens (<= 8 * MT; FP4 items find their own)
+  int x_div;              // FP4: pair p reads activation row p / x_div (top-k for w1/w3, 1 for w2)
   float limit;            // SwiGLU clamp (<= 0: none)
 };
 
@@ -68,121 +69,167 @@ DSUF_DEVICE u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y
 DSUF_DEVICE u32 e2m1_lo_to_e4m3(u32 w) { return ((w & 0x08080808u) << 4) | ((w & 0x07070707u) << 2); }
 DSUF_DEVICE u32 e2m1_hi_to_e4m3(u32 w) { return (w & 0x80808080u) | ((w & 0x70707070u) >> 2); }
 
-// FP8 weights: warp rows [row0, row0 + 16), K blocks [kb0, kb1). acc[j] holds columns j*8 + ...
+// Where a lane's activation columns live: xb[j] = row of column j*8 + g (its B fragment),
+// xa[j] / xa1[j] = rows of columns j*8 + 2t and j*8 + 2t + 1 (its accumulators); -1: no column.
 template <int MT>
-DSUF_DEVICE void fp8_tile(const GemmParams& p, const u8* w, const u8* ws_row, int row0, int kb0,
-                          int kb1, int x0, float acc[MT][4]) {
-  constexpr int U = MT == 1 ? 3 : MT == 2 ? 2 : 1;  // K blocks in flight per lane
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int K = p.K, KB = K >> 7;
-  const u8* wa = w + (i64)(row0 + g) * K + 16 * t;
-  const u8* wb = wa + 8 * (i64)K;
-  for (int kb = kb0; kb < kb1; kb += U) {
-    uint4 A[U][4], X[U][MT][2];
-    float sxa[U][MT], sxb[U][MT];
+struct Cols {
+  int xb[MT], xa[MT], xa1[MT];
+};
+
+// One pipeline stage of the FP8 tile: U K-blocks of 16 weight rows and the matching activations.
+template <int MT, int U>
+struct Fp8Stage {
+  uint4 w[U][4], x[U][MT][2];
+  float sa[U][MT], sb[U][MT];
+};
+
+template <int MT, int U>
+DSUF_DEVICE void fp8_load(Fp8Stage<MT, U>& st, const GemmParams& p, const u8* wa, const Cols<MT>& c, int kb, int kb1) {
+  const int t = threadIdx.x & 3, K = p.K, KB = K >> 7;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (kb + u >= kb1) break;
-      const i64 off = (i64)(kb + u) * 128;
-      A[u][0] = ld_stream(wa + off);
-      A[u][1] = ld_stream(wa + off + 64);
-      A[u][2] = ld_stream(wb + off);
-      A[u][3] = ld_stream(wb + off + 64);
+  for (int u = 0; u < U; ++u) {
+    if (kb + u >= kb1) break;
+    const i64 off = (i64)(kb + u) * 128;
+    st.w[u][0] = ld_stream(wa + off);
+    st.w[u][1] = ld_stream(wa + off + 64);
+    st.w[u][2] = ld_stream(wa + 8 * (i64)K + off);
+    st.w[u][3] = ld_stream(wa + 8 * (i64)K + off + 64);
 #pragma unroll
-      for (int j = 0; j < MT; ++j) {
-        const int c = j * 8 + g, ca = j * 8 + 2 * t;
-        X[u][j][0] = X[u][j][1] = make_uint4(0, 0, 0, 0);
-        if (c < p.cols) {
-          const u8* xp = p.xq + (i64)(x0 + c) * K + off + 16 * t;
-          X[u][j][0] = ld_nc16(xp);
-          X[u][j][1] = ld_nc16(xp + 64);
-        }
-        sxa[u][j] = ca < p.cols ? p.sx[(i64)(x0 + ca) * KB + kb + u] : 0.0f;
-        sxb[u][j] = ca + 1 < p.cols ? p.sx[(i64)(x0 + ca + 1) * KB + kb + u] : 0.0f;
+    for (int j = 0; j < MT; ++j) {
+      st.x[u][j][0] = st.x[u][j][1] = make_uint4(0, 0, 0, 0);
+      if (c.xb[j] >= 0) {
+        const u8* xp = p.xq + (i64)c.xb[j] * K + off + 16 * t;
+        st.x[u][j][0] = ld_nc16(xp);
+        st.x[u][j][1] = ld_nc16(xp + 64);
       }
+      st.sa[u][j] = c.xa[j] >= 0 ? p.sx[(i64)c.xa[j] * KB + kb + u] : 0.0f;
+      st.sb[u][j] = c.xa1[j] >= 0 ? p.sx[(i64)c.xa1[j] * KB + kb + u] : 0.0f;
     }
+  }
+}
+
+template <int MT, int U>
+DSUF_DEVICE void fp8_compute(const Fp8Stage<MT, U>& st, const u8* ws_row, int kb, int kb1, float acc[MT][4]) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (kb + u >= kb1) break;
-      const float sw = e8m0_to_f32(ws_row[kb + u]);
+  for (int u = 0; u < U; ++u) {
+    if (kb + u >= kb1) break;
+    const float sw = e8m0_to_f32(ws_row[kb + u]);
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+      const uint4(&w)[4] = st.w[u];
+      const uint4(&x)[2] = st.x[u][j];
+      float d[4];
+      // Step s uses words 2s, 2s+1 of the lane's 32 bytes (16 at +16t, 16 at +64+16t).
+      mma_e4m3(d, w[0].x, w[2].x, w[0].y, w[2].y, x[0].x, x[0].y);
+      mma_e4m3_acc(d, w[0].z, w[2].z, w[0].w, w[2].w, x[0].z, x[0].w);
+      mma_e4m3_acc(d, w[1].x, w[3].x, w[1].y, w[3].y, x[1].x, x[1].y);
+      mma_e4m3_acc(d, w[1].z, w[3].z, w[1].w, w[3].w, x[1].z, x[1].w);
+      const float s0 = sw * st.sa[u][j], s1 = sw * st.sb[u][j];
+      acc[j][0] += d[0] * s0;
+      acc[j][1] += d[1] * s1;
+      acc[j][2] += d[2] * s0;
+      acc[j][3] += d[3] * s1;
+    }
+  }
+}
+
+// FP8 weights: warp rows [row0, row0 + 16), K blocks [kb0, kb1); two register stages so that
+// one stage's loads are in flight while the other's are multiplied.
+template <int MT>
+DSUF_DEVICE void fp8_tile(const GemmParams& p, const u8* w, const u8* ws_row, int row0, int kb0, int kb1,
+                          const Cols<MT>& c, float acc[MT][4]) {
+  constexpr int U = 1;  // K blocks a stage (2 spill at MT = 1 under the 128-register cap)
+  const int lane = threadIdx.x & 31;
+  const u8* wa = w + (i64)(row0 + (lane >> 2)) * p.K + 16 * (lane & 3);
+  Fp8Stage<MT, U> a, b;
+  fp8_load(a, p, wa, c, kb0, kb1);
+  for (int kb = kb0; kb < kb1; kb += 2 * U) {
+    if (kb + U < kb1) fp8_load(b, p, wa, c, kb + U, kb1);
+    fp8_compute(a, ws_row, kb, kb1, acc);
+    if (kb + 2 * U < kb1) fp8_load(a, p, wa, c, kb + 2 * U, kb1);
+    if (kb + U < kb1) fp8_compute(b, ws_row, kb + U, kb1, acc);
+  }
+}
+
+// One pipeline stage of the FP4 tile: U chunks of 128 elements of 16 rows, their scales, and
+// the activations of each of the chunk's four 32-element k-steps.
+template <int MT, int U>
+struct Fp4Stage {
+  uint4 w[U][2];
+  u32 s[U][2];
+  uint2 x[U][MT][4];
+  float sa[U][MT], sb[U][MT];
+};
+
+template <int MT, int U>
+DSUF_DEVICE void fp4_load(Fp4Stage<MT, U>& st, const GemmParams& p, const u8* wa, const u8* sa, const Cols<MT>& c,
+                          int kc, int kc1) {
+  const int t = threadIdx.x & 3, K = p.K, KB = K >> 7;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (kc + u >= kc1) break;
+    st.w[u][0] = ld_stream(wa + (i64)(kc + u) * 64);
+    st.w[u][1] = ld_stream(wa + 8 * (i64)(K >> 1) + (i64)(kc + u) * 64);
+    st.s[u][0] = ld_nc4(sa + (kc + u) * 4);
+    st.s[u][1] = ld_nc4(sa + 8 * (i64)(K >> 5) + (kc + u) * 4);
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        st.x[u][j][i] = make_uint2(0, 0);
+        if (c.xb[j] >= 0) st.x[u][j][i] = ld_nc8(p.xq + (i64)c.xb[j] * K + (kc + u) * 128 + 32 * i + 8 * t);
+      }
+      st.sa[u][j] = c.xa[j] >= 0 ? 64.0f * p.sx[(i64)c.xa[j] * KB + kc + u] : 0.0f;
+      st.sb[u][j] = c.xa1[j] >= 0 ? 64.0f * p.sx[(i64)c.xa1[j] * KB + kc + u] : 0.0f;
+    }
+  }
+}
+
+template <int MT, int U>
+DSUF_DEVICE void fp4_compute(const Fp4Stage<MT, U>& st, int kc, int kc1, float acc[MT][4]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (kc + u >= kc1) break;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const u32 wg = word(st.w[u][0], i), wg8 = word(st.w[u][1], i);
+      const u32 a0 = e2m1_lo_to_e4m3(wg), a1 = e2m1_lo_to_e4m3(wg8);
+      const u32 a2 = e2m1_hi_to_e4m3(wg), a3 = e2m1_hi_to_e4m3(wg8);
+      const float swg = e8m0_to_f32((st.s[u][0] >> (8 * i)) & 0xff);
+      const float swg8 = e8m0_to_f32((st.s[u][1] >> (8 * i)) & 0xff);
 #pragma unroll
       for (int j = 0; j < MT; ++j) {
         float d[4];
-        // Step s uses words 2s, 2s+1 of the lane's 32 bytes (16 at +16t, 16 at +64+16t).
-        mma_e4m3(d, A[u][0].x, A[u][2].x, A[u][0].y, A[u][2].y, X[u][j][0].x, X[u][j][0].y);
-        mma_e4m3_acc(d, A[u][0].z, A[u][2].z, A[u][0].w, A[u][2].w, X[u][j][0].z, X[u][j][0].w);
-        mma_e4m3_acc(d, A[u][1].x, A[u][3].x, A[u][1].y, A[u][3].y, X[u][j][1].x, X[u][j][1].y);
-        mma_e4m3_acc(d, A[u][1].z, A[u][3].z, A[u][1].w, A[u][3].w, X[u][j][1].z, X[u][j][1].w);
-        const float s0 = sw * sxa[u][j], s1 = sw * sxb[u][j];
-        acc[j][0] += d[0] * s0;
-        acc[j][1] += d[1] * s1;
-        acc[j][2] += d[2] * s0;
-        acc[j][3] += d[3] * s1;
+        // Logical k 4t+b <-> element 8t+2b of the step (low nibbles), 16+4t+b <-> 8t+2b+1.
+        const u32 b0 = __byte_perm(st.x[u][j][i].x, st.x[u][j][i].y, 0x6420);
+        const u32 b1 = __byte_perm(st.x[u][j][i].x, st.x[u][j][i].y, 0x7531);
+        mma_e4m3(d, a0, a1, a2, a3, b0, b1);
+        acc[j][0] += d[0] * (swg * st.sa[u][j]);
+        acc[j][1] += d[1] * (swg * st.sb[u][j]);
+        acc[j][2] += d[2] * (swg8 * st.sa[u][j]);
+        acc[j][3] += d[3] * (swg8 * st.sb[u][j]);
       }
     }
   }
 }
 
 // FP4 weights (permuted chunks, per-32 scales): warp rows [row0, row0 + 16), 128-element chunks
-// [kc0, kc1). A fresh mma per 32-element k-step, since every step has its own weight scale.
+// [kc0, kc1), double-buffered like fp8_tile. A fresh mma per 32-element k-step, since every
+// step has its own weight scale.
 template <int MT>
-DSUF_DEVICE void fp4_tile(const GemmParams& p, const u8* w, const u8* ws, int row0, int kc0,
-                          int kc1, int x0, float acc[MT][4]) {
-  constexpr int U = 4;  // 128-element chunks in flight per lane
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int K = p.K, KB = K >> 7;
-  const u8* wa = w + (i64)(row0 + g) * (K >> 1) + 16 * t;
-  const u8* wb = wa + 8 * (i64)(K >> 1);
-  const u8* sa = ws + (i64)(row0 + g) * (K >> 5);
-  const u8* sb = sa + 8 * (i64)(K >> 5);
-  for (int kc = kc0; kc < kc1; kc += U) {
-    uint4 A[U][2];
-    u32 S[U][2];
-    uint2 X[U][MT][4];
-    float sxa[U][MT], sxb[U][MT];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (kc + u >= kc1) break;
-      A[u][0] = ld_stream(wa + (i64)(kc + u) * 64);
-      A[u][1] = ld_stream(wb + (i64)(kc + u) * 64);
-      S[u][0] = ld_nc4(sa + (kc + u) * 4);
-      S[u][1] = ld_nc4(sb + (kc + u) * 4);
-#pragma unroll
-      for (int j = 0; j < MT; ++j) {
-        const int c = j * 8 + g, ca = j * 8 + 2 * t;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          X[u][j][i] = make_uint2(0, 0);
-          if (c < p.cols) X[u][j][i] = ld_nc8(p.xq + (i64)(x0 + c) * K + (kc + u) * 128 + 32 * i + 8 * t);
-        }
-        sxa[u][j] = ca < p.cols ? 64.0f * p.sx[(i64)(x0 + ca) * KB + kc + u] : 0.0f;
-        sxb[u][j] = ca + 1 < p.cols ? 64.0f * p.sx[(i64)(x0 + ca + 1) * KB + kc + u] : 0.0f;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (kc + u >= kc1) break;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const u32 wg = word(A[u][0], i), wg8 = word(A[u][1], i);
-        const u32 a0 = e2m1_lo_to_e4m3(wg), a1 = e2m1_lo_to_e4m3(wg8);
-        const u32 a2 = e2m1_hi_to_e4m3(wg), a3 = e2m1_hi_to_e4m3(wg8);
-        const float swg = e8m0_to_f32((S[u][0] >> (8 * i)) & 0xff);
-        const float swg8 = e8m0_to_f32((S[u][1] >> (8 * i)) & 0xff);
-#pragma unroll
-        for (int j = 0; j < MT; ++j) {
-          float d[4];
-          // Logical k 4t+b <-> element 8t+2b of the step (low nibbles), 16+4t+b <-> 8t+2b+1.
-          const u32 b0 = __byte_perm(X[u][j][i].x, X[u][j][i].y, 0x6420);
-          const u32 b1 = __byte_perm(X[u][j][i].x, X[u][j][i].y, 0x7531);
-          mma_e4m3(d, a0, a1, a2, a3, b0, b1);
-          acc[j][0] += d[0] * (swg * sxa[u][j]);
-          acc[j][1] += d[1] * (swg * sxb[u][j]);
-          acc[j][2] += d[2] * (swg8 * sxa[u][j]);
-          acc[j][3] += d[3] * (swg8 * sxb[u][j]);
-        }
-      }
-    }
+DSUF_DEVICE void fp4_tile(const GemmParams& p, const u8* w, const u8* ws, int row0, int kc0, int kc1,
+                          const Cols<MT>& c, float acc[MT][4]) {
+  constexpr int U = 2;  // chunks a stage
+  const int lane = threadIdx.x & 31, g = lane >> 2;
+  const u8* wa = w + (i64)(row0 + g) * (p.K >> 1) + 16 * (lane & 3);
+  const u8* sa = ws + (i64)(row0 + g) * (p.K >> 5);
+  Fp4Stage<MT, U> a, b;
+  fp4_load(a, p, wa, sa, c, kc0, kc1);
+  for (int kc = kc0; kc < kc1; kc += 2 * U) {
+    if (kc + U < kc1) fp4_load(b, p, wa, sa, c, kc + U, kc1);
+    fp4_compute(a, kc, kc1, acc);
+    if (kc + 2 * U < kc1) fp4_load(a, p, wa, sa, c, kc + 2 * U, kc1);
+    if (kc + U < kc1) fp4_compute(b, kc + U, kc1, acc);
   }
 }
 
@@ -191,49 +238,84 @@ DSUF_DEVICE float silu_f64(float g) {
   return (float)(x / (1.0 + exp(-x)));
 }
 
+DSUF_DEVICE int pair_at(const GemmParams& p, int i) { return p.order ? p.order[i] : i; }
+
 template <int FMT, int MT, int EPI>
 DSUF_DEVICE void gemm_body(const GemmParams& p) {
-  constexpr int MATS = EPI == EPI_SWIGLU ? 2 : 1;
-  __shared__ float red[8 * MT * 128];  // [col][row] of this CTA's 128 x cols tile
-  __shared__ int last;
+  constexpr int MATS = EPI == EPI_SWIGLU ? 2 : 1, COLS = 8 * MT, STRIDE = COLS * 128;
+  __shared__ float red[MATS][STRIDE];  // [mat][col * 128 + row]: this CTA's tile, then the sums
+  __shared__ float4 group_sum[256];
+  __shared__ int col_xrow[COLS], col_orow[COLS], n_cols, last;
+  __shared__ float col_w[COLS];
 
   const int rb = blockIdx.x, mat = blockIdx.y / p.splits, split = blockIdx.y % p.splits;
   const int item = blockIdx.z, NB = p.N >> 7, KB = p.K >> 7;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int e = p.expert ? p.expert[item] : 0;
-  const int x0 = p.x_row ? p.x_row[item] : item;
+
+  // Columns. FP8: the tokens. FP4: the pairs that share this item's expert, in expert order: the
+  // item that starts each run of up to 8 equal experts takes the run, so each expert's weights
+  // are read once for all of its tokens; the other items of the run exit.
+  if (threadIdx.x == 0) {
+    int cols = p.cols;
+    if (FMT == FMT_FP4) {
+      const int e = p.expert[pair_at(p, item)];
+      int start = item;
+      while (start > 0 && p.expert[pair_at(p, start - 1)] == e) --start;
+      cols = 0;
+      if ((item - start) % COLS == 0)
+        while (cols < COLS && item + cols < (int)gridDim.z && p.expert[pair_at(p, item + cols)] == e) ++cols;
+    }
+    n_cols = cols;
+  }
+  __syncthreads();
+  const int cols = n_cols;
+  if (cols == 0) return;
+  if (threadIdx.x < cols) {
+    const int pair = FMT == FMT_FP4 ? pair_at(p, item + threadIdx.x) : threadIdx.x;
+    col_xrow[threadIdx.x] = FMT == FMT_FP4 ? pair / p.x_div : pair;
+    col_orow[threadIdx.x] = pair;
+    col_w[threadIdx.x] = FMT == FMT_FP4 && p.route_w ? p.route_w[pair] : 1.0f;
+  }
+  __syncthreads();
+
+  Cols<MT> c;
+#pragma unroll
+  for (int j = 0; j < MT; ++j) {
+    const int cb = j * 8 + g, ca = j * 8 + 2 * t;
+    c.xb[j] = cb < cols ? col_xrow[cb] : -1;
+    c.xa[j] = ca < cols ? col_xrow[ca] : -1;
+    c.xa1[j] = ca + 1 < cols ? col_xrow[ca + 1] : -1;
+  }
   const int kb0 = (int)((i64)split * KB / p.splits), kb1 = (int)((i64)(split + 1) * KB / p.splits);
   const int row0 = rb * 128 + warp * 16;
-
   float acc[MT][4];
 #pragma unroll
   for (int j = 0; j < MT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   if (FMT == FMT_FP8) {
-    fp8_tile<MT>(p, p.w[mat], p.ws[mat] + (i64)rb * KB, row0, kb0, kb1, x0, acc);
+    fp8_tile<MT>(p, p.w[mat], p.ws[mat] + (i64)rb * KB, row0, kb0, kb1, c, acc);
   } else {
-    const u8* w = p.w[mat] + (i64)e * p.N * (p.K >> 1);
-    const u8* ws = p.ws[mat] + (i64)e * p.N * (p.K >> 5);
-    fp4_tile<MT>(p, w, ws, row0, kb0, kb1, x0, acc);
+    const i64 e = p.expert[pair_at(p, item)];
+    fp4_tile<MT>(p, p.w[mat] + e * p.N * (p.K >> 1), p.ws[mat] + e * p.N * (p.K >> 5), row0, kb0, kb1, c, acc);
   }
 
   const int r = warp * 16 + g;
 #pragma unroll
   for (int j = 0; j < MT; ++j) {
-    const int c = j * 8 + 2 * t;
-    red[c * 128 + r] = acc[j][0];
-    red[(c + 1) * 128 + r] = acc[j][1];
-    red[c * 128 + r + 8] = acc[j][2];
-    red[(c + 1) * 128 + r + 8] = acc[j][3];
+    const int cc = j * 8 + 2 * t;
+    red[0][cc * 128 + r] = acc[j][0];
+    red[0][(cc + 1) * 128 + r] = acc[j][1];
+    red[0][cc * 128 + r + 8] = acc[j][2];
+    red[0][(cc + 1) * 128 + r + 8] = acc[j][3];
   }
   __syncthreads();
 
   const int parts = MATS * p.splits;
-  const i64 tile = (i64)item * NB + rb;
-  const i64 stride = (i64)p.cols * 128;  // one partial
-  float* part = p.partial + tile * parts * stride;
   if (parts > 1) {
-    float* mine = part + (i64)(mat * p.splits + split) * stride;
-    for (int i = threadIdx.x; i < p.cols * 128; i += blockDim.x) mine[i] = red[i];
+    // Split-K: publish this CTA's partial; the last CTA of the tile sums all of them.
+    const i64 tile = (i64)item * NB + rb;
+    float* part = p.partial + tile * parts * STRIDE;
+    float4* mine = reinterpret_cast<float4*>(part + (i64)(mat * p.splits + split) * STRIDE);
+    for (int i = threadIdx.x; i < cols * 32; i += blockDim.x) mine[i] = reinterpret_cast<const float4*>(red[0])[i];
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -243,49 +325,75 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
     __syncthreads();
     if (!last) return;
     __threadfence();
-  }
-
-  // Epilogue: one warp per column (token); a lane owns 4 consecutive rows.
-  for (int c = warp; c < p.cols; c += 8) {
-    float v[MATS][4];
-#pragma unroll
-    for (int m = 0; m < MATS; ++m) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int rr = lane * 4 + i;
-        if (parts == 1) {
-          v[m][i] = red[c * 128 + rr];
-        } else {
-          float s = 0.0f;
-          for (int k = 0; k < p.splits; ++k) s += __ldcg(part + (i64)(m * p.splits + k) * stride + c * 128 + rr);
-          v[m][i] = s;
-        }
+    // slots: (mat, 4 rows of a column) float4 sums. With few slots, `groups` threads share a
+    // slot's splits (contiguous ranges) and their sums are added in group order: every launch
+    // adds in the same order, so the result is deterministic.
+    const int slots = MATS * cols * 32;
+    const int groups = max(1, min((int)blockDim.x / slots, p.splits));
+    for (int i = threadIdx.x; i < slots * groups; i += blockDim.x) {
+      const int grp = i / slots, slot = i - grp * slots, m = slot / (cols * 32), q = slot - m * cols * 32;
+      const float4* src = reinterpret_cast<const float4*>(part + (i64)m * p.splits * STRIDE) + q;
+      float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const int k1 = (grp + 1) * p.splits / groups;
+#pragma unroll 4
+      for (int k = grp * p.splits / groups; k < k1; ++k) {
+        const float4 v = __ldcg(src + (i64)k * (STRIDE / 4));
+        sum.x += v.x;
+        sum.y += v.y;
+        sum.z += v.z;
+        sum.w += v.w;
+      }
+      if (groups == 1) {
+        reinterpret_cast<float4*>(red[m])[q] = sum;
+      } else {
+        group_sum[i] = sum;
       }
     }
-    const int orow = item + c;
-    const i64 at = (i64)orow * p.N + rb * 128 + lane * 4;
+    __syncthreads();
+    if (groups > 1) {
+      for (int slot = threadIdx.x; slot < slots; slot += blockDim.x) {
+        float4 sum = group_sum[slot];
+        for (int grp = 1; grp < groups; ++grp) {
+          const float4 v = group_sum[grp * slots + slot];
+          sum.x += v.x;
+          sum.y += v.y;
+          sum.z += v.z;
+          sum.w += v.w;
+        }
+        const int m = slot / (cols * 32);
+        reinterpret_cast<float4*>(red[m])[slot - m * cols * 32] = sum;
+      }
+      __syncthreads();
+    }
+  }
+
+  // Epilogue: one warp per column; a lane owns 4 consecutive rows.
+  for (int cc = warp; cc < cols; cc += 8) {
+    const i64 at = (i64)col_orow[cc] * p.N + rb * 128 + lane * 4;
+    const float4 v = reinterpret_cast<const float4*>(red[0])[cc * 32 + lane];
     if (EPI == EPI_STORE_BF16) {
-      const u32 lo = f32_to_bf16(v[0][0]) | ((u32)f32_to_bf16(v[0][1]) << 16);
-      const u32 hi = f32_to_bf16(v[0][2]) | ((u32)f32_to_bf16(v[0][3]) << 16);
+      const u32 lo = f32_to_bf16(v.x) | ((u32)f32_to_bf16(v.y) << 16);
+      const u32 hi = f32_to_bf16(v.z) | ((u32)f32_to_bf16(v.w) << 16);
       *reinterpret_cast<uint2*>(static_cast<u16*>(p.out) + at) = make_uint2(lo, hi);
     } else {
       // The reference Expert: clamp, silu(gate) * up in fp32 (silu in float64), times the routing
       // weight, rounded to bf16, then w2's per-128 act_quant, whose block is exactly this tile.
-      const float rw = p.route_w ? p.route_w[item] : 1.0f;
+      const float4 u = reinterpret_cast<const float4*>(red[MATS - 1])[cc * 32 + lane];
+      const float gates[4] = {v.x, v.y, v.z, v.w}, ups[4] = {u.x, u.y, u.z, u.w};
       float h[4], amax = 0.0f;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        float gate = v[0][i], up = v[1][i];
+        float gate = gates[i], up = ups[i];
         if (p.limit > 0.0f) {
           up = fminf(fmaxf(up, -p.limit), p.limit);
           gate = fminf(gate, p.limit);
         }
-        h[i] = bf16_to_f32(f32_to_bf16(rw * (silu_f64(gate) * up)));
+        h[i] = bf16_to_f32(f32_to_bf16(col_w[cc] * (silu_f64(gate) * up)));
         amax = fmaxf(amax, fabsf(h[i]));
       }
       const int ex = act_scale_exponent(warp_max(amax));
       *reinterpret_cast<u32*>(static_cast<u8*>(p.out) + at) = quant4_e4m3(h[0], h[1], h[2], h[3], ex);
-      if (lane == 0) p.out_scale[(i64)orow * NB + rb] = pow2f(ex);
+      if (lane == 0) p.out_scale[(i64)col_orow[cc] * NB + rb] = pow2f(ex);
     }
   }
 }
@@ -307,6 +415,6 @@ DSUF_GEMM(fp8_swiglu_m8, FMT_FP8, 1, EPI_SWIGLU)
 DSUF_GEMM(fp8_swiglu_m16, FMT_FP8, 2, EPI_SWIGLU)
 DSUF_GEMM(fp8_swiglu_m24, FMT_FP8, 3, EPI_SWIGLU)
 DSUF_GEMM(fp8_swiglu_m32, FMT_FP8, 4, EPI_SWIGLU)
-// Routed FP4 experts, one (expert, token) pair per item.
+// Routed FP4 experts over (token, expert) pairs, up to 8 tokens of one expert per item.
 DSUF_GEMM(fp4_swiglu_pairs, FMT_FP4, 1, EPI_SWIGLU)
 DSUF_GEMM(fp4_gemm_bf16_pairs, FMT_FP4, 1, EPI_STORE_BF16)

@@ -28,9 +28,9 @@ class GemmParams(ctypes.Structure):
         ("w", ctypes.c_void_p * 2),
         ("ws", ctypes.c_void_p * 2),
         ("expert", ctypes.c_void_p),
+        ("order", ctypes.c_void_p),
         ("xq", ctypes.c_void_p),
         ("sx", ctypes.c_void_p),
-        ("x_row", ctypes.c_void_p),
         ("route_w", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
         ("out_scale", ctypes.c_void_p),
@@ -40,6 +40,7 @@ class GemmParams(ctypes.Structure):
         ("K", ctypes.c_int),
         ("cols", ctypes.c_int),
         ("splits", ctypes.c_int),
+        ("x_div", ctypes.c_int),
         ("limit", ctypes.c_float),
     ]
 
@@ -159,7 +160,7 @@ def launch_fp8(
     splits = choose_splits(
         tiles, k // BLOCK, sm_count(w.device) * (2 if mt == 1 else 1), cols * n * 4 * mats * 2, n * k * mats
     )
-    partial = torch.empty(tiles * splits * cols * CTA_ROWS if mats * splits > 1 else 1, dtype=torch.float32, device=w.device)
+    partial = torch.empty(tiles * splits * 8 * mt * CTA_ROWS if mats * splits > 1 else 1, dtype=torch.float32, device=w.device)
     p = GemmParams()
     p.w[0], p.ws[0] = w.data_ptr(), ws.data_ptr()
     if w_up is not None:
@@ -168,6 +169,6 @@ def launch_fp8(
     p.out = out.data_ptr()
     p.out_scale = out_scale.data_ptr() if out_scale is not None else 0
     p.partial, p.counter = partial.data_ptr(), counter.data_ptr()
-    p.N, p.K, p.cols, p.splits, p.limit = n, k, cols, splits, limit
+    p.N, p.K, p.cols, p.splits, p.x_div, p.limit = n, k, cols, splits, 1, limit
     name = f"fp8_{'swiglu' if w_up is not None else 'gemm_bf16'}_m{8 * mt}"
     get_kernel("gemm", name, w.device)((n // CTA_ROWS, mats * splits, 1), 256, [p])

@@ -1,14 +1,15 @@
 """The MoE layer at decode time on the GPU: routed FP4 experts plus the FP8 shared expert, computed
 as `layers.MoE` computes them in reference numerics (routing itself stays in torch).
 
-For T tokens with top-k experts there are P = T*k (token, expert) pairs; each pair streams its
-expert's weights once, so a decode step reads 6 routed experts (FP4, 12.75 MB each at V4-Flash
-shapes) and the shared expert (FP8, 25 MB) per token. Five launches:
+For T tokens with top-k experts there are P = T*k (token, expert) pairs. Pairs are sorted by
+expert, and each expert's weights are streamed once for all of its tokens (up to 8 a pass), so a
+batch-1 decode step reads 6 routed experts (FP4, 12.75 MB each at V4-Flash shapes) and the shared
+expert (FP8, 25 MB). The launches:
 
 1. act_quant(x) -> e4m3 x and per-128 scales (shared by every expert);
 2. routed w1/w3 for all pairs, with clamp, silu(gate)*up, routing weight, bf16 rounding and w2's
-   act_quant fused into the split-K epilogue; the same for the shared expert (FP8, all tokens);
-3. routed w2 for all pairs (bf16 [P, D]) and the shared w2 (bf16 [T, D]);
+   act_quant fused into the split-K epilogue; then routed w2 (bf16 [P, D]);
+3. meanwhile, on a side stream, the same two steps for the shared expert (FP8, all tokens);
 4. the combine: per token, the routed outputs summed in ascending expert order, then the shared.
 """
 
@@ -93,18 +94,18 @@ class Fp8Expert:
 class MoeDecode:
     """y = Σ_routed + shared for decode-sized batches; `limit` is the SwiGLU clamp (swiglu_limit).
 
-    Holds split-K arrival counters, so one instance must not run on two streams at once."""
+    The shared expert runs on a side stream, concurrently with the routed experts. Holds split-K
+    arrival counters, so one instance must not run on two streams at once."""
 
     def __init__(self, routed: Fp4Experts, shared: Fp8Expert, limit: float) -> None:
         self.routed = routed
         self.shared = shared
         self.limit = float(limit)
-        self.counter = torch.zeros(0, dtype=torch.int32, device=routed.w1.device)
-
-    def _counter(self, entries: int) -> torch.Tensor:
-        if self.counter.numel() < entries:  # zeroed once; every launch leaves it zero again
-            self.counter = torch.zeros(entries, dtype=torch.int32, device=self.counter.device)
-        return self.counter
+        device = routed.w1.device
+        self.counter = torch.zeros(0, dtype=torch.int32, device=device)  # routed launches
+        rows = max(shared.w1.shape[0], shared.w2.shape[0])
+        self.shared_counter = torch.zeros(rows // CTA_ROWS, dtype=torch.int32, device=device)
+        self.side: torch.cuda.Stream | None = None
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x bf16 [T, D]; weights float32 [T, k] and idx [T, k] from the router -> bf16 [T, D]."""
@@ -112,10 +113,23 @@ class MoeDecode:
         if not 1 <= k <= 16 or self.routed.dim % 2048:
             raise ValueError(f"MoeDecode: top-k must be 1..16 and D a multiple of 2048, got k={k}, D={self.routed.dim}")
         xq, sx = act_quant(x)
+        main = torch.cuda.current_stream(x.device)
+        if self.side is None:
+            self.side = torch.cuda.Stream(x.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            y_shared = self.shared_forward(xq, sx)
+        xq.record_stream(self.side)
+        sx.record_stream(self.side)
+
         expert = idx.reshape(-1).to(torch.int32)
-        hq, sh = self.routed_gate_up(xq, sx, expert, weights.reshape(-1), k)
-        y_routed = self.routed_down(hq, sh, expert)
-        y_shared = self.shared_forward(xq, sx)
+        # With several tokens, pairs sorted by expert let one item serve all tokens of an expert.
+        order = torch.argsort(expert, stable=True).to(torch.int32) if t > 1 else None
+        hq, sh = self.routed_gate_up(xq, sx, expert, weights.reshape(-1), k, order)
+        y_routed = self.routed_down(hq, sh, expert, order)
+
+        main.wait_stream(self.side)
+        y_shared.record_stream(main)
         if out is None:
             out = torch.empty((t, self.routed.dim), dtype=torch.bfloat16, device=x.device)
         get_kernel("moe_combine", "moe_combine_bf16", x.device)(
@@ -126,24 +140,30 @@ class MoeDecode:
         return out
 
     def routed_gate_up(
-        self, xq: torch.Tensor, sx: torch.Tensor, expert: torch.Tensor, route_w: torch.Tensor, k: int
+        self,
+        xq: torch.Tensor,
+        sx: torch.Tensor,
+        expert: torch.Tensor,
+        route_w: torch.Tensor,
+        k: int,
+        order: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pairs p = t*k + j: h = route_w[p] * silu(clamp(x_t W1ᵀ)) * clamp(x_t W3ᵀ), rounded to bf16
-        and act-quantised: (e4m3 [P, I], float32 scales [P, I/128])."""
+        and act-quantised: (e4m3 [P, I], float32 scales [P, I/128]). `order`: the pairs sorted by
+        expert (int32), so that pairs of one expert share its weight reads; None: as given."""
         pairs = expert.numel()
-        x_row = torch.arange(xq.shape[0], device=xq.device, dtype=torch.int32).repeat_interleave(k)
         hq = torch.empty((pairs, self.routed.inter), dtype=torch.float8_e4m3fn, device=xq.device)
         sh = torch.empty((pairs, self.routed.inter // BLOCK), dtype=torch.float32, device=xq.device)
         r = self.routed
-        self._launch(
-            "fp4_swiglu_pairs", (r.w1, r.s1), (r.w3, r.s3), expert, x_row, route_w.float().contiguous(), xq, sx, hq, sh
-        )
+        self._launch("fp4_swiglu_pairs", (r.w1, r.s1), (r.w3, r.s3), expert, order, k, route_w.float().contiguous(), xq, sx, hq, sh)
         return hq, sh
 
-    def routed_down(self, hq: torch.Tensor, sh: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    def routed_down(
+        self, hq: torch.Tensor, sh: torch.Tensor, expert: torch.Tensor, order: torch.Tensor | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Each pair's w2 on its own h row: bf16 [P, D] (rounded per expert, as the reference)."""
-        y = torch.empty((expert.numel(), self.routed.dim), dtype=torch.bfloat16, device=hq.device)
-        self._launch("fp4_gemm_bf16_pairs", (self.routed.w2, self.routed.s2), None, expert, None, None, hq, sh, y, None)
+        y = out if out is not None else torch.empty((expert.numel(), self.routed.dim), dtype=torch.bfloat16, device=hq.device)
+        self._launch("fp4_gemm_bf16_pairs", (self.routed.w2, self.routed.s2), None, expert, order, 1, None, hq, sh, y, None)
         return y
 
     def shared_forward(self, xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
@@ -154,32 +174,33 @@ class MoeDecode:
         hq = torch.empty((t, inter), dtype=torch.float8_e4m3fn, device=xq.device)
         sh = torch.empty((t, inter // BLOCK), dtype=torch.float32, device=xq.device)
         y = torch.empty((t, dim), dtype=torch.bfloat16, device=xq.device)
-        counter = self._counter(max(inter, dim) // CTA_ROWS)
         for lo in range(0, t, MAX_TOKENS):
             hi = min(t, lo + MAX_TOKENS)
-            launch_fp8(s.w1, s.s1, (s.w3, s.s3), xq[lo:hi], sx[lo:hi], hq[lo:hi], sh[lo:hi], counter, self.limit)
-            launch_fp8(s.w2, s.s2, None, hq[lo:hi], sh[lo:hi], y[lo:hi], None, counter)
+            launch_fp8(s.w1, s.s1, (s.w3, s.s3), xq[lo:hi], sx[lo:hi], hq[lo:hi], sh[lo:hi], self.shared_counter, self.limit)
+            launch_fp8(s.w2, s.s2, None, hq[lo:hi], sh[lo:hi], y[lo:hi], None, self.shared_counter)
         return y
 
-    def _launch(self, name, w, w_up, expert, x_row, route_w, xq, sx, out, out_scale) -> None:
-        """One FP4 pairs launch: N rows of w per expert, K = xq's width, one token per pair."""
+    def _launch(self, name, w, w_up, expert, order, x_div, route_w, xq, sx, out, out_scale) -> None:
+        """One FP4 launch over the pairs: N rows of w per expert, K = xq's width; pair p reads
+        activation row p // x_div and writes output row p."""
         pairs = expert.numel()
         n, k = w[0].shape[1], xq.shape[1]
         mats = 2 if w_up is not None else 1
         tiles = pairs * (n // CTA_ROWS) * mats
         splits = choose_splits(tiles, k // BLOCK, 2 * sm_count(xq.device), n * 4 * mats * 2 * pairs, pairs * mats * n * k // 2)
-        partial = torch.empty(tiles * splits * CTA_ROWS if mats * splits > 1 else 1, dtype=torch.float32, device=xq.device)
-        counter = self._counter(pairs * (n // CTA_ROWS))
+        partial = torch.empty(tiles * splits * 8 * CTA_ROWS if mats * splits > 1 else 1, dtype=torch.float32, device=xq.device)
+        if self.counter.numel() < pairs * (n // CTA_ROWS):  # zeroed once; every launch leaves it zero
+            self.counter = torch.zeros(pairs * (n // CTA_ROWS), dtype=torch.int32, device=xq.device)
         p = GemmParams()
         p.w[0], p.ws[0] = w[0].data_ptr(), w[1].data_ptr()
         if w_up is not None:
             p.w[1], p.ws[1] = w_up[0].data_ptr(), w_up[1].data_ptr()
         p.expert = expert.data_ptr()
+        p.order = order.data_ptr() if order is not None else 0
         p.xq, p.sx = xq.data_ptr(), sx.data_ptr()
-        p.x_row = x_row.data_ptr() if x_row is not None else 0
         p.route_w = route_w.data_ptr() if route_w is not None else 0
         p.out = out.data_ptr()
         p.out_scale = out_scale.data_ptr() if out_scale is not None else 0
-        p.partial, p.counter = partial.data_ptr(), counter.data_ptr()
-        p.N, p.K, p.cols, p.splits, p.limit = n, k, 1, splits, self.limit
+        p.partial, p.counter = partial.data_ptr(), self.counter.data_ptr()
+        p.N, p.K, p.cols, p.splits, p.x_div, p.limit = n, k, 1, splits, x_div, self.limit
         get_kernel("gemm", name, xq.device)((n // CTA_ROWS, mats * splits, pairs), 256, [p])

@@ -73,13 +73,18 @@ def reference_moe(moe: MoE, x: torch.Tensor, weights: torch.Tensor, idx: torch.T
     return y.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("tokens", [1, 8])
-def test_routed_gate_up(cuda, moe_pair, tokens):
+def by_expert(idx: torch.Tensor, grouped: bool) -> torch.Tensor | None:
+    """The pair order MoeDecode uses with several tokens (sorted by expert), or none."""
+    return torch.argsort(idx.reshape(-1), stable=True).int() if grouped else None
+
+
+@pytest.mark.parametrize("tokens, grouped", [(1, False), (8, False), (8, True)])
+def test_routed_gate_up(cuda, moe_pair, tokens, grouped):
     kernel, moe = moe_pair
     x = random_activations(tokens, D, cuda)
     weights, idx = moe.route(x, None)
     xq, sx = act_quant(x)
-    hq, sh = kernel.routed_gate_up(xq, sx, idx.reshape(-1).int(), weights.reshape(-1), TOPK)
+    hq, sh = kernel.routed_gate_up(xq, sx, idx.reshape(-1).int(), weights.reshape(-1), TOPK, by_expert(idx, grouped))
     got = hq.float() * sh.repeat_interleave(128, -1)
     ref = []
     for t in range(tokens):
@@ -90,21 +95,23 @@ def test_routed_gate_up(cuda, moe_pair, tokens):
             h = weights[t, j] * (f64(F.silu, gate) * up)
             ref.append(quant.act_quant_fp8(h.to(torch.bfloat16), 128).float())
     ref = torch.cat(ref)
-    rel, _ = compare(f"routed w1/w3 + SwiGLU + act_quant, {tokens} x {TOPK} pairs", got, ref)
+    rel, _ = compare(f"routed w1/w3 + SwiGLU + act_quant, {tokens} x {TOPK} pairs{', by expert' if grouped else ''}", got, ref)
     # Equal but where the fp32 sums put h on the other side of a bf16 / e4m3 rounding boundary.
     assert rel < 2e-3
     assert (got == ref).float().mean() > 0.998
 
 
-@pytest.mark.parametrize("tokens", [1, 8])
-def test_routed_down(cuda, moe_pair, tokens):
+@pytest.mark.parametrize("tokens, grouped", [(1, False), (8, False), (8, True), (20, True)])
+def test_routed_down(cuda, moe_pair, tokens, grouped):
+    """20 tokens over 8 experts: runs of more than 8 pairs of one expert are split."""
     kernel, moe = moe_pair
     idx = torch.stack([torch.randperm(EXPERTS, device=cuda)[:TOPK] for _ in range(tokens)])
     h = random_activations(tokens * TOPK, INTER, cuda)
     hq, sh = act_quant(h)
-    got = kernel.routed_down(hq, sh, idx.reshape(-1).int())
+    out = torch.full((tokens * TOPK, D), float("nan"), dtype=torch.bfloat16, device=cuda)  # poison
+    got = kernel.routed_down(hq, sh, idx.reshape(-1).int(), by_expert(idx, grouped), out=out)
     ref = torch.cat([moe.experts[int(e)].w2(h[p : p + 1], NUM, torch.float32) for p, e in enumerate(idx.reshape(-1))])
-    rel, worst = compare(f"routed w2, {tokens} x {TOPK} pairs", got, ref)
+    rel, worst = compare(f"routed w2, {tokens} x {TOPK} pairs{', by expert' if grouped else ''}", got, ref)
     assert rel < 2.5e-3 and worst <= 1.0
 
 
@@ -119,7 +126,7 @@ def test_shared_expert(cuda, moe_pair, tokens):
     assert rel < 3e-3 and worst <= 2.0
 
 
-@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("tokens", [1, 8, 20])
 def test_moe_decode(cuda, moe_pair, tokens):
     kernel, moe = moe_pair
     x = random_activations(tokens, D, cuda)
