@@ -1037,3 +1037,26 @@ def test_real_pyverbs_accepts_the_objects_we_build():
     desc = RdmaDescriptor(rkey=0x1234, base=0x10000, offset=0, length=3 * MiB)
     run(qp.read_into(desc, 0x20000, 0x55, io_timeout=1))
     assert len(posted) == 1
+
+
+def test_closing_the_fetcher_mid_fetch_keeps_the_arena_registered_until_it_ends(fabric):
+    owner = Owner()
+    owner.add("ab", b"q" * 100_000)
+    local = memoryview(bytearray(MiB))
+
+    async def main():
+        server = await serve(owner)
+        fetcher = KvFetcher(SECRET, arena=local)
+        fabric.completion_delay = 0.1
+        task = asyncio.create_task(fetcher.fetch(server.address, "ab", 1, lambda n: local[:n]))
+        await settle(lambda: fabric.reads)  # the READ is posted, its completion not yet seen
+        await fetcher.close()
+        assert len(fabric.mrs) == 4  # both arenas (lkey and rkey each): still registered
+        assert await task == b"q" * 100_000
+        assert len(fabric.mrs) == 2  # ours went with the last fetch; the owner's stays
+        with pytest.raises(TransferError, match="closed"):
+            await fetcher.fetch(server.address, "ab", 1, lambda n: local[:n])
+        await server.stop()
+        assert not fabric.mrs
+
+    run(main())

@@ -69,7 +69,12 @@ is an EOF and a `TransferError`; no destination with partial bytes is ever retur
 
 Fallback: a failed RDMA transfer is retried once over TCP on a fresh connection, into the same
 destination (after the RDMA queue pair was moved to ERROR and drained, so no late DMA can land in
-it); if that fails too, `TransferError`.
+it); if that fails too, `TransferError`. After an RDMA failure the fetcher uses TCP to that owner
+for `RDMA_BACKOFF_SECONDS`, so a broken RDMA path does not cost every fetch a timeout. A blob
+outside the owner's registered arena, or a destination outside the fetcher's, goes by TCP.
+
+Timeouts: connecting is bounded by `connect_timeout`; every later step by `io_timeout` without
+progress (a pull resets it as bytes arrive, an RDMA read as READs complete).
 """
 
 from __future__ import annotations
@@ -680,6 +685,7 @@ class KvFetcher:
         self._mr: ArenaMR | None = None
         self._pool: dict[str, list[_Channel]] = {}
         self._rdma_backoff: dict[str, float] = {}  # owner -> monotonic time until which we use TCP
+        self._inflight = 0
         self._closed = False
 
     @property
@@ -688,16 +694,19 @@ class KvFetcher:
         return ["tcp", "rdma"] if self._rdma_state == "on" else ["tcp"]
 
     async def close(self) -> None:
-        """Close pooled connections and deregister the arena. In-flight fetches finish alone."""
+        """Close pooled connections and deregister the arena (once in-flight fetches, which
+        finish alone, are done). Later fetches raise TransferError."""
         self._closed = True
         for chans in self._pool.values():
             for chan in chans:
                 chan.close()
         self._pool.clear()
-        if self._mr is not None:
+        self._release_arena()
+
+    def _release_arena(self) -> None:
+        if self._closed and not self._inflight and self._mr is not None:
             self._mr.release()
             self._mr = None
-        if self._rdma_state == "on":
             self._rdma_state = "off"
 
     async def fetch(self, addr: str, key: str, epoch: int, alloc: Callable[[int], memoryview]) -> memoryview:
@@ -711,6 +720,14 @@ class KvFetcher:
             raise TransferError(f"bad key {key!r}")
         if not isinstance(epoch, int) or not 0 <= epoch < 2**63:
             raise TransferError(f"bad epoch {epoch!r}")
+        self._inflight += 1
+        try:
+            return await self._fetch(addr, key, epoch, alloc)
+        finally:
+            self._inflight -= 1
+            self._release_arena()
+
+    async def _fetch(self, addr: str, key: str, epoch: int, alloc: Callable[[int], memoryview]) -> memoryview:
         use_rdma = await self._rdma_ready() and self._rdma_backoff.get(addr, 0.0) <= time.monotonic()
         chan: _Channel | None = await self._checkout(addr, use_rdma)
         try:
