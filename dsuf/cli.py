@@ -114,11 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("make-tiny", help="write a tiny random checkpoint in the released layout")
-    p.add_argument("--family", default="v4", help="v4 or v4-0731")
+    p.add_argument("--family", default="v4", choices=["v4", "v4-0731", "v41"], help="model family (v41 also writes tokenizer.json)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config.json key (JSON value)")
-    p.add_argument("--plain", action="store_true", help="write dequantised BF16 weights without quantization_config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config.json key (JSON value); v41: text_config keys, or section.key")
+    p.add_argument("--plain", action="store_true", help="write dequantised BF16 weights without quantization_config (v4 only)")
     p.set_defaults(func=cmd_make_tiny)
 
     def model_args(p: argparse.ArgumentParser) -> None:

@@ -1,13 +1,15 @@
 """The released checkpoint layout: which tensors exist, how they are stored and sharded, how to read them.
 
-`checkpoint_schema(config)` lists every tensor of a V4-Flash checkpoint under its native name with
-its shape and safetensors dtype. The tiny-checkpoint writer produces exactly this list and the
-loader checks a checkpoint against it, so the two can never drift apart.
+`checkpoint_schema(config)` lists every tensor of a V4-Flash or V4.1-Flash checkpoint under its
+native name with its shape and safetensors dtype. The tiny-checkpoint writer produces exactly this
+list and the loader checks a checkpoint against it, so the two can never drift apart.
 
 Tensor parallelism (`shard_rule`): following DeepSeek's converter, dim 0 of `embed`, `head`,
 `wq_b`, `wo_a`, `attn_sink`, the indexer's `wq_b` and `weights_proj` is split into contiguous
-rank slices, dim 1 of `wo_b`; routed experts go to ranks by contiguous index ranges; everything
-else is replicated. A rank reads only its own slice of each tensor through safetensors slicing.
+rank slices, dim 1 of `wo_b`; routed experts go to ranks by contiguous index ranges (per block:
+V4.1's DSpark stages have fewer experts); V4.1's Engram tables are split by padded row ranges
+(ceil(rows / world) per rank, the last one padded with zero rows); everything else is replicated.
+A rank reads only its own slice of each tensor through safetensors slicing.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class ShardRule:
 
     dim: int | None  # None: replicated
     expert: int | None = None  # routed expert index: the tensor lives on one rank only
+    padded: bool = False  # ceil(size / world) per rank, the last slice padded (Engram tables)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -88,9 +91,9 @@ def _compressor(specs: dict[str, TensorSpec], p: str, c: ModelConfig, ratio: int
     specs[f"{p}.norm.weight"] = TensorSpec((width,), "BF16")
 
 
-def block_schema(c: ModelConfig, p: str, ratio: int, hash_layer: bool) -> dict[str, TensorSpec]:
-    """The tensors of one transformer block (a backbone layer or an MTP layer) under prefix p."""
-    s: dict[str, TensorSpec] = {}
+def _block_head(s: dict[str, TensorSpec], c: ModelConfig, p: str) -> None:
+    """What every block of both families has before its compressor: norms, mHC sites, the
+    attention's query, window KV and output projections."""
     mix = (2 + c.hc_mult) * c.hc_mult
     s[f"{p}.attn_norm.weight"] = TensorSpec((c.dim,), "BF16")
     s[f"{p}.ffn_norm.weight"] = TensorSpec((c.dim,), "BF16")
@@ -105,26 +108,102 @@ def block_schema(c: ModelConfig, p: str, ratio: int, hash_layer: bool) -> dict[s
     s[f"{a}.kv_norm.weight"] = TensorSpec((c.head_dim,), "BF16")
     _linear(s, f"{a}.wo_a", c.o_groups * c.o_lora_rank, c.n_heads * c.head_dim // c.o_groups, "fp8", c)
     _linear(s, f"{a}.wo_b", c.dim, c.o_groups * c.o_lora_rank, "fp8", c)
-    if ratio:
-        _compressor(s, f"{a}.compressor", c, ratio, c.head_dim)
-    if ratio == 4:
-        _linear(s, f"{a}.indexer.wq_b", c.index_n_heads * c.index_head_dim, c.q_lora_rank, "fp8", c)
-        s[f"{a}.indexer.weights_proj.weight"] = TensorSpec((c.index_n_heads, c.dim), "BF16")
-        _compressor(s, f"{a}.indexer.compressor", c, ratio, c.index_head_dim)
+
+
+def _moe(s: dict[str, TensorSpec], c: ModelConfig, p: str, gate: dict[str, TensorSpec]) -> None:
+    """The MoE of a block: the gate (its extra tensors in `gate`), routed and shared experts."""
     f = f"{p}.ffn"
-    s[f"{f}.gate.weight"] = TensorSpec((c.n_routed_experts, c.dim), "BF16")
-    if hash_layer:
-        s[f"{f}.gate.tid2eid"] = TensorSpec((c.vocab_size, c.n_activated_experts), "I64")
-    else:
-        s[f"{f}.gate.bias"] = TensorSpec((c.n_routed_experts,), "F32")
+    n_experts, _ = c.n_experts_of(p)
+    s[f"{f}.gate.weight"] = TensorSpec((n_experts, c.dim), "BF16")
+    s |= {f"{f}.gate.{k}": v for k, v in gate.items()}
     expert_fmt = c.quant.expert_dtype if c.quant else "bf16"
-    for e in range(c.n_routed_experts):
+    for e in range(n_experts):
         _linear(s, f"{f}.experts.{e}.w1", c.moe_inter_dim, c.dim, expert_fmt, c)
         _linear(s, f"{f}.experts.{e}.w2", c.dim, c.moe_inter_dim, expert_fmt, c)
         _linear(s, f"{f}.experts.{e}.w3", c.moe_inter_dim, c.dim, expert_fmt, c)
     _linear(s, f"{f}.shared_experts.w1", c.moe_inter_dim, c.dim, "fp8", c)
     _linear(s, f"{f}.shared_experts.w2", c.dim, c.moe_inter_dim, "fp8", c)
     _linear(s, f"{f}.shared_experts.w3", c.moe_inter_dim, c.dim, "fp8", c)
+
+
+def block_schema(c: ModelConfig, p: str, ratio: int, hash_layer: bool) -> dict[str, TensorSpec]:
+    """The tensors of one V4 transformer block (a backbone layer or an MTP layer) under prefix p."""
+    s: dict[str, TensorSpec] = {}
+    _block_head(s, c, p)
+    a = f"{p}.attn"
+    if ratio:
+        _compressor(s, f"{a}.compressor", c, ratio, c.head_dim)
+    if ratio == 4:
+        _linear(s, f"{a}.indexer.wq_b", c.index_n_heads * c.index_head_dim, c.q_lora_rank, "fp8", c)
+        s[f"{a}.indexer.weights_proj.weight"] = TensorSpec((c.index_n_heads, c.dim), "BF16")
+        _compressor(s, f"{a}.indexer.compressor", c, ratio, c.index_head_dim)
+    if hash_layer:
+        gate = {"tid2eid": TensorSpec((c.vocab_size, c.n_activated_experts), "I64")}
+    else:
+        gate = {"bias": TensorSpec((c.n_routed_experts,), "F32")}
+    _moe(s, c, p, gate)
+    return s
+
+
+def v41_block_schema(c: ModelConfig, p: str, layer: int | None) -> dict[str, TensorSpec]:
+    """The tensors of one V4.1 block: backbone layer `layer`, or a DSpark stage (layer None)."""
+    assert c.csa2 is not None and c.engram is not None and c.quant is not None
+    s: dict[str, TensorSpec] = {}
+    _block_head(s, c, p)
+    a = f"{p}.attn"
+    if layer in c.csa2.kv_source_layers:  # the compressor and the index keys, from the pre-RoPE latent
+        ratio = c.compress_ratios[layer]
+        s[f"{a}.compressor.wkv.weight"] = TensorSpec((c.head_dim, c.dim), "BF16")
+        if ratio > 1:  # ratio 1 has nothing to pool: no gate
+            s[f"{a}.compressor.wgate.weight"] = TensorSpec((c.head_dim, c.dim), "BF16")
+        s[f"{a}.compressor.norm.weight"] = TensorSpec((c.head_dim,), "BF16")
+        s[f"{a}.indexer.wk.weight"] = TensorSpec((c.index_head_dim, c.head_dim), "BF16")
+        s[f"{a}.indexer.k_norm.weight"] = TensorSpec((c.index_head_dim,), "BF16")
+    if layer in c.csa2.index_source_layers:
+        _linear(s, f"{a}.indexer.wq_b", c.index_n_heads * c.index_head_dim, c.q_lora_rank, "fp8", c)
+        s[f"{a}.indexer.weights_proj.weight"] = TensorSpec((c.index_n_heads, c.dim), "BF16")
+    if layer in c.engram.layer_ids:
+        e, g = c.engram, f"{p}.engram"
+        rows = e.num_embeddings[e.layer_ids.index(layer)]
+        s[f"{g}.embed.weight"] = TensorSpec((rows, e.head_dim), "F8_E4M3")
+        s[f"{g}.embed.scale"] = TensorSpec((rows, e.head_dim // c.quant.weight_block), "F8_E8M0")
+        _linear(s, f"{g}.wkv", (c.hc_mult + 1) * c.dim, e.n_hash_columns * e.head_dim, "fp8", c)
+        s[f"{g}.q_weight"] = TensorSpec((c.hc_mult, c.dim), "BF16")
+        s[f"{g}.k_weight"] = TensorSpec((c.hc_mult, c.dim), "BF16")
+    n_experts, _ = c.n_experts_of(p)
+    gate = {"bias": TensorSpec((n_experts,), "F32")}
+    if c.vision is not None:  # image-span tokens route with their own bias
+        gate["bias_vl"] = TensorSpec((n_experts,), "F32")
+    _moe(s, c, p, gate)
+    return s
+
+
+def vision_schema(c: ModelConfig) -> dict[str, TensorSpec]:
+    """DeepSeek-ViT, the aligner and the image-span embeddings (loaded now, run by a later issue)."""
+    v = c.vision
+    assert v is not None
+    s: dict[str, TensorSpec] = {}
+    for name in ("image_start", "image_end", "image_newline"):
+        s[name] = TensorSpec((c.dim,), "BF16")
+    patch = 3 * v.patch_size**2
+    s["vision.patch_embed.proj.weight"] = TensorSpec((v.dim, patch), "BF16")
+    s["vision.patch_embed.proj.bias"] = TensorSpec((v.dim,), "BF16")
+    for b in range(v.n_layers):
+        p = f"vision.blocks.{b}"
+        s[f"{p}.norm1.weight"] = TensorSpec((v.dim,), "BF16")
+        s[f"{p}.norm2.weight"] = TensorSpec((v.dim,), "BF16")
+        s[f"{p}.attn.wqkv.weight"] = TensorSpec((3 * v.dim, v.dim), "BF16")
+        s[f"{p}.attn.wqkv.bias"] = TensorSpec((3 * v.dim,), "BF16")
+        s[f"{p}.attn.wo.weight"] = TensorSpec((v.dim, v.dim), "BF16")
+        s[f"{p}.attn.wo.bias"] = TensorSpec((v.dim,), "BF16")
+        s[f"{p}.mlp.w1.weight"] = TensorSpec((2 * v.inter_dim, v.dim), "BF16")  # gate and up, fused
+        s[f"{p}.mlp.w2.weight"] = TensorSpec((v.dim, v.inter_dim), "BF16")
+    s["vision.norm.weight"] = TensorSpec((v.dim,), "BF16")
+    unshuffled = v.dim * v.downsample_ratio**2
+    s["aligner.w1.weight"] = TensorSpec((c.dim, unshuffled), "BF16")
+    s["aligner.w1.bias"] = TensorSpec((c.dim,), "BF16")
+    s["aligner.w2.weight"] = TensorSpec((c.dim, c.dim), "BF16")
+    s["aligner.w2.bias"] = TensorSpec((c.dim,), "BF16")
     return s
 
 
@@ -141,13 +220,14 @@ def mtp_schema(c: ModelConfig, stage: int) -> dict[str, TensorSpec]:
 
 
 def dspark_schema(c: ModelConfig, n_stages: int) -> dict[str, TensorSpec]:
-    """DSpark draft stages (V4-Flash-0731): window-only blocks fed by the target layers' features,
-    with a Markov head and a confidence head on the last stage. Loaded now, used by speculative
-    decoding later."""
+    """DSpark draft stages (V4-Flash-0731, V4.1-Flash): window-only blocks fed by the target layers'
+    features, with a Markov head and a confidence head on the last stage (and, in V4, an hc head).
+    Loaded now, used by speculative decoding later."""
     assert c.dspark is not None
     s: dict[str, TensorSpec] = {}
     for stage in range(n_stages):
-        s |= block_schema(c, f"mtp.{stage}", ratio=0, hash_layer=False)
+        p = f"mtp.{stage}"
+        s |= v41_block_schema(c, p, None) if c.family == "v41" else block_schema(c, p, ratio=0, hash_layer=False)
     _linear(s, "mtp.0.main_proj", c.dim, len(c.dspark.target_layer_ids) * c.dim, "fp8", c)
     s["mtp.0.main_norm.weight"] = TensorSpec((c.dim,), "BF16")
     last = f"mtp.{n_stages - 1}"
@@ -155,7 +235,8 @@ def dspark_schema(c: ModelConfig, n_stages: int) -> dict[str, TensorSpec]:
     s[f"{last}.markov_head.embed.weight"] = TensorSpec((c.vocab_size, c.dspark.markov_rank), "BF16")
     s[f"{last}.markov_head.head.weight"] = TensorSpec((c.vocab_size, c.dspark.markov_rank), "BF16")
     s[f"{last}.confidence_head.proj.weight"] = TensorSpec((1, c.dim + c.dspark.markov_rank), "BF16")
-    _hc(s, f"{last}.hc_head", c, c.hc_mult, 1)
+    if c.family == "v4":
+        _hc(s, f"{last}.hc_head", c, c.hc_mult, 1)
     return s
 
 
@@ -169,6 +250,14 @@ def checkpoint_schema(c: ModelConfig) -> dict[str, TensorSpec]:
         "head.weight": TensorSpec((c.vocab_size, c.dim), "BF16"),
         "norm.weight": TensorSpec((c.dim,), "BF16"),
     }
+    if c.family == "v41":  # single-pass mHC: no hc_head; the DSpark stages are counted by the config
+        for layer in range(c.n_layers):
+            s |= v41_block_schema(c, f"layers.{layer}", layer)
+        if c.dspark is not None:
+            s |= dspark_schema(c, c.n_mtp_layers)
+        if c.vision is not None:
+            s |= vision_schema(c)
+        return s
     _hc(s, "hc_head", c, c.hc_mult, 1)
     for layer in range(c.n_layers):
         s |= block_schema(c, f"layers.{layer}", c.compress_ratios[layer], c.is_hash_layer(layer))
@@ -187,12 +276,15 @@ _SPLIT_DIM0 = re.compile(
     r"|\.indexer\.wq_b\.(weight|scale)$|\.indexer\.weights_proj\.weight$"
 )
 _SPLIT_DIM1 = re.compile(r"\.attn\.wo_b\.(weight|scale)$")
+_PADDED_DIM0 = re.compile(r"\.engram\.embed\.(weight|scale)$")
 _EXPERT = re.compile(r"\.ffn\.experts\.(\d+)\.")
 
 
 def shard_rule(name: str) -> ShardRule:
     if m := _EXPERT.search(name):
         return ShardRule(dim=None, expert=int(m.group(1)))
+    if _PADDED_DIM0.search(name):
+        return ShardRule(dim=0, padded=True)
     if _SPLIT_DIM0.search(name):
         return ShardRule(dim=0)
     if _SPLIT_DIM1.search(name):
@@ -200,8 +292,8 @@ def shard_rule(name: str) -> ShardRule:
     return ShardRule(dim=None)
 
 
-def expert_range(c: ModelConfig, rank: int, world: int) -> range:
-    per = c.n_routed_experts // world
+def expert_range(n_experts: int, rank: int, world: int) -> range:
+    per = n_experts // world
     return range(rank * per, (rank + 1) * per)
 
 
@@ -214,6 +306,8 @@ def check_tp(c: ModelConfig, world: int) -> None:
         problems.append(f"index_n_heads={c.index_n_heads} must be divisible by {world}")
     if c.n_routed_experts % world:
         problems.append(f"n_routed_experts={c.n_routed_experts} must be divisible by {world}")
+    if c.dspark is not None and c.dspark.n_routed_experts is not None and c.dspark.n_routed_experts % world:
+        problems.append(f"dspark_n_routed_experts={c.dspark.n_routed_experts} must be divisible by {world}")
     if c.vocab_size % world:
         problems.append(f"vocab_size={c.vocab_size} must be divisible by {world}")
     if c.quant is not None:
@@ -232,14 +326,13 @@ def check_tp(c: ModelConfig, world: int) -> None:
 
 def rank_tensor_names(schema: dict[str, TensorSpec], c: ModelConfig, rank: int, world: int) -> list[str]:
     """The tensors a rank holds: all but the routed experts of other ranks."""
-    experts = expert_range(c, rank, world)
-    return [n for n in schema if (e := shard_rule(n).expert) is None or e in experts]
+    return [n for n in schema if (e := shard_rule(n).expert) is None or e in expert_range(c.n_experts_of(n)[0], rank, world)]
 
 
 def slice_for_rank(shape: tuple[int, ...], rule: ShardRule, rank: int, world: int) -> tuple[slice, ...]:
     if rule.dim is None or world == 1:
         return tuple(slice(None) for _ in shape)
-    per = shape[rule.dim] // world
+    per = -(-shape[rule.dim] // world) if rule.padded else shape[rule.dim] // world
     index = [slice(None)] * len(shape)
     index[rule.dim] = slice(rank * per, (rank + 1) * per)
     return tuple(index)
@@ -286,6 +379,13 @@ def checkpoint_revision(ckpt_dir: str | Path) -> str:
             f.seek(max(0, size - edge))
             h.update(f.read())
     return h.hexdigest()
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """The converter's padding of a short last slice: zero weights, scales of E8M0 code 1."""
+    code = 1 if t.dtype == torch.float8_e8m0fnu else 0
+    fill = torch.full((rows - t.shape[0], *t.shape[1:]), code, dtype=torch.uint8)
+    return torch.cat((t.view(torch.uint8), fill)).view(t.dtype)
 
 
 # Plain (unquantised) checkpoints may store their bf16 tensors as float32.
@@ -343,7 +443,10 @@ def load_tensors(ckpt_dir: str | Path, c: ModelConfig, rank: int = 0, world: int
                 if shape != spec.shape or dtype not in _ACCEPTED_DTYPES.get(spec.dtype, (spec.dtype,)):
                     wrong.append(f"{name} is {dtype}{list(shape)}, expected {spec.dtype}{list(spec.shape)}")
                     continue
-                tensors[name] = view[slice_for_rank(shape, shard_rule(name), rank, world)]
+                rule = shard_rule(name)
+                tensors[name] = view[slice_for_rank(shape, rule, rank, world)]
+                if rule.padded:
+                    tensors[name] = _pad_rows(tensors[name], -(-shape[0] // world))
     if wrong:
         raise CheckpointError(f"{len(wrong)} tensor(s) with the wrong dtype or shape: " + "; ".join(wrong[:8]))
     return tensors

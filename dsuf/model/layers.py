@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 
 from . import quant
+from .quant import PackedRows
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+    from .state import CompressorState, LayerState, SequenceState
 
 NumericsMode = Literal["exact", "reference"]
 ACC = torch.float64  # accumulation dtype of the reference path (see the module docstring)
@@ -79,6 +84,31 @@ class Linear:
         if num.quantize and self.act_block:
             x = quant.act_quant_fp8(x, self.act_block)
         return acc_matmul(x, self.weight).to(out_dtype or num.dtype)
+
+
+class Weights:
+    """Float32 views of a checkpoint's tensors: FP8/FP4 weights dequantised with their scales."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], c: ModelConfig) -> None:
+        self.tensors = tensors
+        self.config = c
+
+    def raw(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def float(self, name: str) -> torch.Tensor:
+        return self.tensors[name].float()
+
+    def linear(self, name: str) -> Linear:
+        """A linear layer; FP8/FP4 storage means its input is act-quantised in reference mode."""
+        w = self.tensors[f"{name}.weight"]
+        scale = self.tensors.get(f"{name}.scale")
+        q = self.config.quant
+        if scale is None:
+            return Linear(w)
+        if w.dtype == torch.int8:
+            return Linear(quant.dequant_fp4_weight(w, scale, q.fp4_block), act_block=q.weight_block)
+        return Linear(quant.dequant_fp8_weight(w, scale, q.weight_block), act_block=q.weight_block)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -202,6 +232,209 @@ def sink_attention(
     return out.to(num.dtype)
 
 
+@dataclass
+class Segment:
+    """The rows of one sequence inside a batched call, and that sequence's state for one layer."""
+
+    rows: slice
+    start: int  # position of the first row
+    layer_state: LayerState
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.start, self.start + self.rows.stop - self.rows.start)
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row (the indexer's selection); equal scores go to the
+    lower index, so the choice never depends on the batch a row is computed in."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def store_rows(rows: torch.Tensor, fmt: PackedRows | None, num: Numerics) -> torch.Tensor:
+    """What a cache keeps of new rows: in reference numerics, the bytes of its packed format (which
+    quantises them) where it has one; otherwise the rows themselves."""
+    return fmt.pack(rows) if fmt is not None and num.quantize else rows
+
+
+def load_rows(stored: torch.Tensor, fmt: PackedRows | None, num: Numerics) -> torch.Tensor:
+    """The values of cached rows in the activation dtype (inverse of `store_rows`)."""
+    return fmt.unpack(stored).to(num.dtype) if fmt is not None and num.quantize else stored
+
+
+class Compressor:
+    """Gated pooling of `ratio` tokens into one KV entry (float32 throughout, like the reference):
+    entry j is the per-channel softmax(score)-weighted sum of its group's kv, then RMSNorm. The
+    result is the pre-RoPE latent; entry j stands for position ratio·j, its group's first token.
+
+    Ratio 4 (V4's CSA) overlaps windows: entry j pools 8 slots, the previous group's tokens on
+    channels [0, width) and its own group's tokens on channels [width, 2·width). V4 adds a learned
+    `ape` per slot to the score; V4.1 has none. Ratio 1 (V4.1) has nothing to pool: the latent is
+    the normalised projection, with no gate and no float32."""
+
+    def __init__(self, w: Weights, prefix: str, ratio: int, width: int) -> None:
+        self.ratio, self.width, self.overlap = ratio, width, ratio == 4
+        self.eps = w.config.norm_eps
+        self.ape = w.float(f"{prefix}.ape") if f"{prefix}.ape" in w.tensors else None
+        self.wkv = Linear(w.float(f"{prefix}.wkv.weight"))
+        self.wgate = Linear(w.float(f"{prefix}.wgate.weight")) if ratio > 1 else None
+        self.norm = w.float(f"{prefix}.norm.weight")
+
+    def __call__(self, x: torch.Tensor, start: int, st: CompressorState | None, num: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed tokens start … start+T−1; return the latents completed by them [n, width] and
+        their positions [n]."""
+        ratio, width = self.ratio, self.width
+        if self.wgate is None:
+            return rms_norm(self.wkv(x, num), self.norm, self.eps), torch.arange(start, start + x.shape[0])
+        positions = torch.arange(start, start + x.shape[0])
+        kv = self.wkv(x, num, torch.float32)
+        score = self.wgate(x, num, torch.float32)
+        if self.ape is not None:
+            score = score + self.ape[positions % ratio]
+        cur = ratio if self.overlap else 0  # first row of the current group in the state
+        pending = start % ratio
+        kv = torch.cat((st.kv[cur : cur + pending], kv))
+        score = torch.cat((st.score[cur : cur + pending], score))
+        n = kv.shape[0] // ratio
+        done = n * ratio
+        first_group = (start - pending) // ratio
+        groups_kv = kv[:done].view(n, ratio, kv.shape[1])
+        groups_score = score[:done].view(n, ratio, kv.shape[1])
+        if n and self.overlap:
+            prev_kv = torch.cat((st.kv[None, :ratio], groups_kv[:-1]))[..., :width]
+            prev_score = torch.cat((st.score[None, :ratio], groups_score[:-1]))[..., :width]
+            if first_group == 0:  # the sequence's first group has no predecessor
+                prev_score[0] = float("-inf")
+            pool_kv = torch.cat((prev_kv, groups_kv[..., width:]), dim=1)
+            pool_score = torch.cat((prev_score, groups_score[..., width:]), dim=1)
+        else:
+            pool_kv, pool_score = groups_kv, groups_score
+        # Update the partial-group state: leftovers become the current group, the last
+        # complete group becomes the overlap slots.
+        left = kv.shape[0] - done
+        st.kv[cur : cur + left] = kv[done:]
+        st.score[cur : cur + left] = score[done:]
+        st.kv[cur + left :] = 0  # keep unused slots canonical so equal states serialise equally
+        st.score[cur + left :] = float("-inf")
+        if n and self.overlap:
+            st.kv[:ratio] = groups_kv[-1]
+            st.score[:ratio] = groups_score[-1]
+        entry_pos = (first_group + torch.arange(n)) * ratio
+        if not n:
+            return torch.zeros(0, width, dtype=num.dtype), entry_pos
+        entries = (pool_kv.to(ACC) * pool_score.to(ACC).softmax(dim=1)).sum(dim=1).float()
+        return rms_norm(entries.to(num.dtype), self.norm, self.eps), entry_pos
+
+
+class IndexScorer:
+    """The lightning indexer's scores score(i, j) = Σ_h w_h · ReLU(q_h · K_j): query heads
+    q = wq_b(qr) with RoPE on their last dims (V4 then rotates them by a Hadamard matrix, V4.1 does
+    not) and FP4-quantised in reference numerics; per-head weights w = weights_proj(x)·(d·H)^-½."""
+
+    def __init__(self, w: Weights, prefix: str, rope: Rope, hadamard: bool) -> None:
+        c = w.config
+        self.n_heads, self.head_dim, self.topk = c.index_n_heads, c.index_head_dim, c.index_topk
+        self.rope, self.hadamard = rope, hadamard
+        self.wq_b = w.linear(f"{prefix}.wq_b")
+        self.weights_proj = Linear(w.float(f"{prefix}.weights_proj.weight"))
+
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, cos_sin, keys: torch.Tensor, num: Numerics) -> torch.Tensor:
+        """float32 [T, n_entries] (every entry, visible or not)."""
+        q = self.wq_b(qr, num).view(x.shape[0], self.n_heads, self.head_dim)
+        q = self.rope.apply(q, cos_sin)
+        if num.quantize:
+            q = quant.fp4_fake_quant_ue8m0(quant.hadamard_transform(q) if self.hadamard else q, INDEX_FP4_BLOCK)
+        weights = self.weights_proj(x, num).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        dots = torch.einsum("thd,nd->thn", q.to(ACC), keys.to(ACC)).float().to(num.dtype).float()
+        return (F.relu(dots) * weights.unsqueeze(-1)).to(ACC).sum(dim=1).float().to(num.dtype).float()
+
+
+INDEX_FP4_BLOCK = 32  # indexer queries and keys: FP4 with ue8m0 scales per 32
+
+
+class SparseAttention:
+    """Shared-KV MQA (one head_dim-wide head that is both K and V) over the sliding window plus
+    whatever compressed entries the family adds (`compressed`), with attention sinks, inverse RoPE
+    on the output and the grouped output projection.
+
+    Window semantics: query i sees positions max(0, i−W+1) … i; the ring holds the W newest."""
+
+    q_head_norm: bool  # V4 normalises each query head (unweighted); V4.1 does not
+    window_format: PackedRows | None = None  # the ring's packed rows (V4.1 in reference numerics)
+
+    def __init__(self, w: Weights, prefix: str, ratio: int) -> None:
+        c = w.config
+        self.c, self.ratio = c, ratio
+        self.n_heads, self.head_dim, self.window = c.n_heads, c.head_dim, c.window_size
+        if ratio:
+            yarn = (c.rope_factor, c.original_seq_len, c.beta_fast, c.beta_slow) if c.original_seq_len else None
+            self.rope = Rope(c.rope_head_dim, c.compress_rope_theta, yarn)
+        else:  # window-only layers: base theta, no YaRN
+            self.rope = Rope(c.rope_head_dim, c.rope_theta)
+        self.sink = w.float(f"{prefix}.attn_sink")
+        self.wq_a = w.linear(f"{prefix}.wq_a")
+        self.q_norm = w.float(f"{prefix}.q_norm.weight")
+        self.wq_b = w.linear(f"{prefix}.wq_b")
+        self.wkv = w.linear(f"{prefix}.wkv")
+        self.kv_norm = w.float(f"{prefix}.kv_norm.weight")
+        # wo_a: the reference dequantises it and runs a bf16 einsum without activation quantisation.
+        self.wo_a = Linear(w.linear(f"{prefix}.wo_a").weight)
+        self.wo_b = w.linear(f"{prefix}.wo_b")
+
+    def quantize_kv(self, kv: torch.Tensor, num: Numerics) -> torch.Tensor:
+        """The window KV's fake-quant, where the family does it outside the ring's packed format."""
+        return kv
+
+    def compressed(self, seg: Segment, x, qr, cos_sin, num: Numerics, shared) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The compressed keys [n, head_dim] one sequence attends to beyond the window, and which of
+        them each query sees [T, n]; None for window-only layers."""
+        return None
+
+    def __call__(self, x: torch.Tensor, segments: list[Segment], num: Numerics, shared: list | None = None) -> torch.Tensor:
+        """x holds the new rows of every sequence in the batch; the projections run on all rows at
+        once, the attention proper on each sequence's rows against its own state. `shared` holds
+        per sequence what the layers hand down the stack within one forward (V4.1)."""
+        c = self.c
+        positions = torch.cat([seg.positions for seg in segments])
+        cos_sin = self.rope.cos_sin(positions)
+
+        qr = rms_norm(self.wq_a(x, num), self.q_norm, c.norm_eps)
+        q = self.wq_b(qr, num).view(x.shape[0], self.n_heads, self.head_dim)
+        if self.q_head_norm:
+            q = rms_norm(q, None, c.norm_eps)  # unweighted, per head
+        q = self.rope.apply(q, cos_sin)
+
+        kv = rms_norm(self.wkv(x, num), self.kv_norm, c.norm_eps)
+        kv = self.quantize_kv(self.rope.apply(kv, cos_sin), num)
+
+        o = torch.cat([
+            self._attend(seg, x[seg.rows], qr[seg.rows], q[seg.rows], kv[seg.rows], (cos_sin[0][seg.rows], cos_sin[1][seg.rows]), num, shared[i] if shared else None)
+            for i, seg in enumerate(segments)
+        ])
+        o = self.rope.apply(o, cos_sin, inverse=True)
+        groups = o.reshape(x.shape[0], c.o_groups, -1)
+        wo_a = self.wo_a.weight.view(c.o_groups, c.o_lora_rank, -1)
+        o = torch.einsum("tgd,grd->tgr", groups.to(ACC), wo_a).float().to(num.dtype)
+        return self.wo_b(o.flatten(1), num)
+
+    def _attend(self, seg: Segment, x, qr, q, kv, cos_sin, num: Numerics, shared) -> torch.Tensor:
+        """One sequence: window keys from its ring plus this chunk, the compressed entries, sinks."""
+        st, start, positions, W = seg.layer_state, seg.start, seg.positions, self.window
+        stored = store_rows(kv, self.window_format, num)
+        kv = load_rows(stored, self.window_format, num)  # what attention sees: the cached form
+        earlier = torch.arange(max(0, start - (W - 1)), start)  # up to W−1 earlier positions
+        keys = torch.cat((load_rows(st.window[earlier % W], self.window_format, num), kv))
+        key_pos = torch.cat((earlier, positions))
+        mask = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - W)
+        keep = positions[-W:]
+        st.window[keep % W] = stored[-W:]
+        extra = self.compressed(seg, x, qr, cos_sin, num, shared)
+        if extra is not None:
+            keys = torch.cat((keys, extra[0]))
+            mask = torch.cat((mask, extra[1]), dim=1)
+        return sink_attention(q, keys, mask, self.sink, self.head_dim**-0.5, num)
+
+
 # ---- mixture of experts ---------------------------------------------------------------------------
 
 
@@ -239,22 +472,90 @@ class MoE:
     shared: Expert
     top_k: int
     route_scale: float
+    bias_vl: torch.Tensor | None = None  # V4.1: the correction for tokens inside image spans
+    route_eps: float = 0.0  # V4.1 adds 1e-20 to the normaliser (as in training)
 
-    def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, ids: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         scores = f64(lambda z: F.softplus(z).sqrt(), acc_matmul(x, self.gate))
         if self.tid2eid is not None:
             idx = self.tid2eid[ids]
         else:
-            idx = (scores + self.bias).topk(self.top_k, dim=-1).indices
+            bias = self.bias if self.bias_vl is None or image is None else torch.where(image[:, None], self.bias_vl, self.bias)
+            idx = (scores + bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, idx)
-        weights = weights / weights.to(ACC).sum(dim=-1, keepdim=True).float() * self.route_scale
+        weights = weights / (weights.to(ACC).sum(dim=-1, keepdim=True) + self.route_eps).float() * self.route_scale
         return weights, idx
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, num: Numerics) -> torch.Tensor:
-        weights, idx = self.route(x, ids)
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, num: Numerics, image: torch.Tensor | None = None) -> torch.Tensor:
+        weights, idx = self.route(x, ids, image)
         y = torch.zeros(x.shape, dtype=torch.float32)
         for e in idx.unique().tolist():
             rows, slot = torch.where(idx == e)
             y[rows] += self.experts[e](x[rows], num, weights[rows, slot, None]).float()
         y += self.shared(x, num).float()
         return y.to(num.dtype)
+
+
+def experts_of(w: Weights, prefix: str) -> tuple[list[Expert], Expert]:
+    """The routed experts and the shared expert of the MoE under `prefix` (…ffn), SwiGLU-clamped."""
+    c = w.config
+
+    def expert(p: str) -> Expert:
+        return Expert(w.linear(f"{p}.w1"), w.linear(f"{p}.w2"), w.linear(f"{p}.w3"), c.swiglu_limit)
+
+    n_experts, _ = c.n_experts_of(prefix)
+    return [expert(f"{prefix}.experts.{e}") for e in range(n_experts)], expert(f"{prefix}.shared_experts")
+
+
+# ---- the model interface ---------------------------------------------------------------------------
+
+
+class ReferenceModel:
+    """What the server's worker drives, the same for both families: `config` (name, vocab_size,
+    eos_token_id), `new_state`, `forward` and `forward_batch`. A family implements `_forward` over
+    a batch of (new tokens, state) pairs."""
+
+    config: ModelConfig
+
+    def new_state(self, num: Numerics) -> SequenceState:
+        raise NotImplementedError
+
+    def packs_caches(self, num: Numerics) -> bool:
+        """Whether states made for `num` keep their cache rows packed (V4.1 in reference numerics)."""
+        return False
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: torch.Tensor, state: SequenceState, num: Numerics, return_streams: bool = False, last_only: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Feed `tokens` [T] at positions state.pos …; return float32 logits [T, vocab] ([1, vocab]
+        with `last_only`, all a sampler needs) and optionally the final residual streams
+        [T, hc, D] (V4: the MTP layer's input)."""
+        (logits,), x = self._forward([(tokens, state)], num, last_only)
+        return (logits, x) if return_streams else logits
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, batch: list[tuple[torch.Tensor, SequenceState]], num: Numerics, last_only: bool = True
+    ) -> list[torch.Tensor]:
+        """Several sequences in one call (each with its own new tokens and state). Every row-wise
+        computation runs on all rows together; the reference path is batch-invariant, so each
+        sequence gets exactly the logits `forward` would give it alone."""
+        return self._forward(batch, num, last_only)[0]
+
+    def _forward(
+        self, batch: list[tuple[torch.Tensor, SequenceState]], num: Numerics, last_only: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        raise NotImplementedError
+
+    def _rows(self, batch: list[tuple[torch.Tensor, SequenceState]], num: Numerics) -> list[tuple[slice, SequenceState]]:
+        """Each sequence's rows in the batched call; its state must be one made for `num`."""
+        offset, rows = 0, []
+        for tokens, state in batch:
+            if state.dtype != num.dtype:
+                raise ValueError(f"state holds {state.dtype} activations, numerics asks for {num.dtype}")
+            if state.packed != self.packs_caches(num):
+                raise ValueError(f"state {'holds' if state.packed else 'lacks'} packed caches, numerics {num.mode} asks otherwise")
+            rows.append((slice(offset, offset + tokens.shape[0]), state))
+            offset += tokens.shape[0]
+        return rows

@@ -11,6 +11,8 @@ the fast kernels can be checked against each other bit for bit.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -36,6 +38,9 @@ __all__ = [
     "act_quant_fp8",
     "fp4_fake_quant_ue8m0",
     "fp4_fake_quant_e4m3",
+    "quant_fp8_rows",
+    "dequant_fp8_rows",
+    "PackedRows",
     "hadamard_matrix",
     "hadamard_transform",
 ]
@@ -247,44 +252,108 @@ def _blocked(x: Tensor, block: int, name: str) -> Tensor:
     return x.to(torch.float32).unflatten(-1, (x.shape[-1] // block, block))
 
 
-def act_quant_fp8(x: Tensor, block: int) -> Tensor:
-    """FP8 fake-quant of activations per row, per block of the last dim (DeepSeek's act_quant).
-
-    scale = 2**ceil_log2(amax * f32(1/448)) with amax floored at 1e-4, taken
-    from the float32 bits exactly as the kernel does; returns the dequantised
-    values round_e4m3(x / scale) * scale in x's dtype.
-    """
-    xb = _blocked(x, block, "act_quant_fp8")
+def _fp8_blocks(x: Tensor, block: int, name: str) -> tuple[Tensor, Tensor]:
+    """(e4m3 grid values [..., K//block, block], power-of-two scales [..., K//block, 1]) of x:
+    scale = 2**ceil_log2(amax * f32(1/448)) with amax floored at 1e-4, from the float32 bits
+    exactly as DeepSeek's act_quant kernel does."""
+    xb = _blocked(x, block, name)
     amax = xb.abs().amax(dim=-1, keepdim=True).clamp_min(_FP8_AMAX_FLOOR)
     scale = _pow2(ceil_log2_exact(amax * _FP8_MAX_INV))
-    y = round_e4m3((xb / scale).clamp(-FP8_MAX, FP8_MAX)) * scale
-    return y.flatten(-2).to(x.dtype)
+    return round_e4m3((xb / scale).clamp(-FP8_MAX, FP8_MAX)), scale
+
+
+def _fp4_blocks(x: Tensor, block: int, scale_fmt: str, name: str) -> tuple[Tensor, Tensor]:
+    """(e2m1 grid values [..., K//block, block], scales [..., K//block, 1]) of x.
+
+    - "ue8m0": scale = 2**ceil_log2(amax * f32(1/6)), amax floored at 6 * 2**-126;
+    - "e4m3": scale = round_e4m3(max(amax, 6 * 2**-9) / 6). Rounding the scale can go down,
+      leaving |x / scale| slightly above 6, hence the clamp before rounding.
+    """
+    xb = _blocked(x, block, name)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    if scale_fmt == "ue8m0":
+        scale = _pow2(ceil_log2_exact(amax.clamp_min(_FP4_AMAX_FLOOR) * _FP4_MAX_INV))
+    elif scale_fmt == "e4m3":
+        scale = round_e4m3(amax.clamp_min(_FP4_E4M3_AMAX_FLOOR) / FP4_MAX)
+    else:
+        raise ValueError(f"{name}: unknown scale format {scale_fmt!r}")
+    return round_e2m1((xb / scale).clamp(-FP4_MAX, FP4_MAX)), scale
+
+
+def act_quant_fp8(x: Tensor, block: int) -> Tensor:
+    """FP8 fake-quant of activations per row, per block of the last dim (DeepSeek's act_quant):
+    round_e4m3(x / scale) * scale in x's dtype, with the scale of `_fp8_blocks`."""
+    q, scale = _fp8_blocks(x, block, "act_quant_fp8")
+    return (q * scale).flatten(-2).to(x.dtype)
 
 
 def fp4_fake_quant_ue8m0(x: Tensor, block: int) -> Tensor:
-    """FP4 (e2m1) fake-quant with power-of-two (UE8M0) scales per block of the last dim.
-
-    scale = 2**ceil_log2(amax * f32(1/6)), amax floored at 6 * 2**-126; the
-    result round_e2m1(x / scale) * scale is returned in x's dtype.
-    """
-    xb = _blocked(x, block, "fp4_fake_quant_ue8m0")
-    amax = xb.abs().amax(dim=-1, keepdim=True).clamp_min(_FP4_AMAX_FLOOR)
-    scale = _pow2(ceil_log2_exact(amax * _FP4_MAX_INV))
-    y = round_e2m1((xb / scale).clamp(-FP4_MAX, FP4_MAX)) * scale
-    return y.flatten(-2).to(x.dtype)
+    """FP4 (e2m1) fake-quant with power-of-two (UE8M0) scales per block of the last dim; x's dtype."""
+    q, scale = _fp4_blocks(x, block, "ue8m0", "fp4_fake_quant_ue8m0")
+    return (q * scale).flatten(-2).to(x.dtype)
 
 
 def fp4_fake_quant_e4m3(x: Tensor, block: int = 16) -> Tensor:
-    """FP4 (e2m1) fake-quant with E4M3 scales per block of the last dim (NVFP4-style).
+    """FP4 (e2m1) fake-quant with E4M3 scales per block of the last dim (NVFP4-style); x's dtype."""
+    q, scale = _fp4_blocks(x, block, "e4m3", "fp4_fake_quant_e4m3")
+    return (q * scale).flatten(-2).to(x.dtype)
 
-    scale = round_e4m3(max(amax, 6 * 2**-9) / 6).  Rounding the scale can go
-    down, leaving |x / scale| slightly above 6, hence the clamp before rounding.
-    """
-    xb = _blocked(x, block, "fp4_fake_quant_e4m3")
-    amax = xb.abs().amax(dim=-1, keepdim=True).clamp_min(_FP4_E4M3_AMAX_FLOOR)
-    scale = round_e4m3(amax / FP4_MAX)
-    y = round_e2m1((xb / scale).clamp(-FP4_MAX, FP4_MAX)) * scale
-    return y.flatten(-2).to(x.dtype)
+
+def quant_fp8_rows(w: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """float [rows, K] to (float8_e4m3fn [rows, K], float8_e8m0fnu scales [rows, K//block]): one
+    power-of-two scale per row and block of K, the layout of V4.1's Engram tables."""
+    q, scale = _fp8_blocks(w, block, "quant_fp8_rows")
+    return q.flatten(-2).to(torch.float8_e4m3fn), e8m0_encode(scale.squeeze(-1)).view(torch.float8_e8m0fnu)
+
+
+def dequant_fp8_rows(w: Tensor, scale: Tensor) -> Tensor:
+    """float8_e4m3fn [..., K] with E8M0 scales [..., K//block] to float32 (inverse of quant_fp8_rows)."""
+    block = w.shape[-1] // scale.shape[-1]
+    return (w.to(torch.float32).unflatten(-1, (-1, block)) * e8m0_decode(scale).unsqueeze(-1)).flatten(-2)
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """A KV-cache row format: the values in FP8 (e4m3) or FP4 (e2m1, two per byte, even element in
+    the low nibble) followed by one scale byte per `block` values (UE8M0 exponent or E4M3).
+
+    `pack` quantises float rows [..., K] to bytes [..., row_bytes(K)]; `unpack` returns the float32
+    values, which equal the matching fake-quant of the rows bit for bit. V4.1 keeps its window KV
+    as ("fp8", 32, "ue8m0") (528 B for 512 dims), its compressed KV as ("fp4", 16, "e4m3") (288 B)
+    and its index keys as ("fp4", 32, "ue8m0") (68 B for 128 dims)."""
+
+    fmt: Literal["fp8", "fp4"]
+    block: int
+    scale_fmt: Literal["ue8m0", "e4m3"]
+
+    def row_bytes(self, width: int) -> int:
+        return (width if self.fmt == "fp8" else width // 2) + width // self.block
+
+    def width(self, row_bytes: int) -> int:
+        per_value = 1 if self.fmt == "fp8" else 0.5
+        return round(row_bytes / (per_value + 1 / self.block))
+
+    def pack(self, x: Tensor) -> Tensor:
+        if self.fmt == "fp8":
+            q, scale = _fp8_blocks(x, self.block, "PackedRows.pack")
+            values = q.flatten(-2).to(torch.float8_e4m3fn).view(torch.uint8)
+        else:
+            q, scale = _fp4_blocks(x, self.block, self.scale_fmt, "PackedRows.pack")
+            values = pack_fp4(e2m1_encode(q.flatten(-2))).view(torch.uint8)
+        scale = scale.squeeze(-1)
+        scales = e8m0_encode(scale) if self.scale_fmt == "ue8m0" else scale.to(torch.float8_e4m3fn).view(torch.uint8)
+        return torch.cat((values, scales), dim=-1)
+
+    def unpack(self, packed: Tensor) -> Tensor:
+        width = self.width(packed.shape[-1])
+        n_values = self.row_bytes(width) - width // self.block
+        values, scales = packed[..., :n_values], packed[..., n_values:]
+        if self.fmt == "fp8":
+            q = values.view(torch.float8_e4m3fn).to(torch.float32)
+        else:
+            q = e2m1_decode(unpack_fp4(values))
+        scale = e8m0_decode(scales) if self.scale_fmt == "ue8m0" else scales.view(torch.float8_e4m3fn).to(torch.float32)
+        return (q.unflatten(-1, (-1, self.block)) * scale.unsqueeze(-1)).flatten(-2)
 
 
 @functools.lru_cache(maxsize=None)
