@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build-kernels", help="compile every CUDA kernel with NVRTC into the kernel cache (no GPU needed)")
     p.add_argument("--arch", action="append", help="target, e.g. sm_90a or sm_100a; repeatable (default: both)")
     p.set_defaults(func=cmd_build_kernels)
+
+    # Listed for `dsuf --help` only: main() runs `dsuf bench` before building this parser, so that
+    # it imports neither the server nor its dependencies.
+    sub.add_parser("bench", help="time V4-Flash decode layers on the GPU (random weights) against the HBM floor and the reference path")
     return parser
 
 
@@ -150,6 +154,11 @@ def main(argv: list[str] | None = None) -> None:
     from dsuf.model.checkpoint import CheckpointError
     from dsuf.model.config import ConfigError
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from dsuf.gpu.bench import main as bench
+
+        sys.exit(bench(argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

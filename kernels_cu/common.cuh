@@ -91,3 +91,42 @@ DSUF_DEVICE void mma_e4m3_acc(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+// D += A(16x16 bf16, row) * B(16x8 bf16, col), fp32 accumulators. Fragments (PTX ISA), lane = 4g + t:
+// a0 = (row g, k 2t..2t+1), a1 = (row g+8, same k), a2 = (row g, k 2t+8..), a3 = (row g+8, k 2t+8..);
+// b0 = (k 2t..2t+1, column g), b1 = (k 2t+8.., column g); d0, d1 = (row g, columns 2t, 2t+1),
+// d2, d3 = (row g+8, same columns).
+DSUF_DEVICE void mma_bf16(float d[4], const u32 a[4], u32 b0, u32 b1) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+DSUF_DEVICE u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// Four 8x8 b16 matrices from shared memory; lane i gives the address of row i % 8 of matrix i / 8,
+// and receives (row g, elements 2t, 2t+1) of each matrix (.trans: (rows 2t, 2t+1, element g)).
+DSUF_DEVICE void ldmatrix_x4(u32 r[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+DSUF_DEVICE void ldmatrix_x4_trans(u32 r[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// Two e4m3 bytes (low byte first) to two floats, exactly (through f16, which holds every e4m3).
+DSUF_DEVICE void e4m3x2_to_f32x2(u32 v, float& lo, float& hi) {
+  u32 h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((u16)v));
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}"
+      : "=f"(lo), "=f"(hi)
+      : "r"(h2));
+}
+
+DSUF_DEVICE u32 bf16x2(float lo, float hi) { return f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16); }

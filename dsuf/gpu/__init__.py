@@ -5,6 +5,12 @@
 - linear.py   FP8 activation quantisation and block-scaled FP8 linears (decode batches)
 - moe.py      the decode MoE: routed FP4 experts and the FP8 shared expert
 - norm.py     RMSNorm, alone and fused with the mHC stream collapse
+- mhc.py      mHC coefficients (mixes, Sinkhorn) and the stream update
+- rope.py     rotary embedding, in place
+- attention.py  FP8 KV entries (584 bytes) and sparse MQA decode over them, flash-decoding splits
+- indexer.py  the lightning indexer at decode: FP4 index-key scores, top-k
+- router.py   the MoE router (sqrt-softplus scores, biased top-k or hash routing)
+- bench.py    `dsuf bench`: decode layers end to end against the HBM floor and the reference path
 
 Every kernel reproduces the reference numerics of `dsuf.model.layers` (tests/gpu check each one
 against it). Importing this package needs neither a GPU nor NVRTC; using a kernel needs both.

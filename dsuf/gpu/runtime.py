@@ -17,7 +17,7 @@ import torch
 
 from .build import KernelCache, load_source
 
-Arg = ctypes.c_void_p | ctypes.c_int | ctypes.c_float | ctypes.Structure
+Arg = ctypes.c_void_p | ctypes.c_int | ctypes.c_float | ctypes.c_double | ctypes.Structure
 
 
 def device_arch(device: torch.device | int | None = None) -> str:
@@ -45,12 +45,29 @@ def _check(err, what: str) -> None:
         raise RuntimeError(f"{what} failed: {err.name} ({text.decode() if text else '?'})")
 
 
+STATIC_SHARED_LIMIT = 48 << 10  # dynamic shared memory beyond this needs the kernel's opt-in
+
+
 class Kernel:
     """One `extern "C"` kernel of a loaded library."""
 
     def __init__(self, handle, name: str) -> None:
         self.name = name
+        self._kernel = handle
         self._function = _driver().CUfunction(int(handle))
+        self._shared_granted: dict[int, int] = {}  # device ordinal -> dynamic bytes allowed
+
+    def _grant_shared(self, nbytes: int, device: int) -> None:
+        """Raise the kernel's dynamic shared-memory limit on `device` to at least nbytes."""
+        if nbytes <= max(STATIC_SHARED_LIMIT, self._shared_granted.get(device, 0)):
+            return
+        driver = _driver()
+        err, dev = driver.cuDeviceGet(device)
+        _check(err, "cuDeviceGet")
+        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        (err,) = driver.cuKernelSetAttribute(attribute, nbytes, self._kernel, dev)
+        _check(err, f"cuKernelSetAttribute({self.name}, {nbytes} bytes of shared memory)")
+        self._shared_granted[device] = nbytes
 
     def __call__(
         self,
@@ -58,16 +75,19 @@ class Kernel:
         block: int,
         args: Sequence[Arg],
         stream: torch.cuda.Stream | None = None,
+        shared: int = 0,
     ) -> None:
-        """Launch on `stream` (default: the current stream). Errors in the launch itself raise
-        here; faults inside the kernel surface at the next synchronisation, as with torch."""
+        """Launch on `stream` (default: the current stream) with `shared` bytes of dynamic shared
+        memory. Errors in the launch itself raise here; faults inside the kernel surface at the
+        next synchronisation, as with torch."""
         driver = _driver()
         if min(grid) < 1:
             raise ValueError(f"{self.name}: empty grid {grid}")
         stream = stream or torch.cuda.current_stream()
+        self._grant_shared(shared, stream.device.index if stream.device.index is not None else torch.cuda.current_device())
         params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
         (err,) = driver.cuLaunchKernel(
-            self._function, *grid, block, 1, 1, 0, driver.CUstream(stream.cuda_stream), ctypes.addressof(params), 0
+            self._function, *grid, block, 1, 1, shared, driver.CUstream(stream.cuda_stream), ctypes.addressof(params), 0
         )
         _check(err, f"cuLaunchKernel({self.name})")
 

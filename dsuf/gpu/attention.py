@@ -1,0 +1,121 @@
+"""Decode attention over V4-Flash's FP8 KV entries (kernels_cu/kv_cache.cu, sparse_attn.cu).
+
+A KV entry is 584 bytes (model.md §5): the 448 nope dims in e4m3 with one UE8M0 scale per 64,
+the 64 rope dims in bf16, the 7 scale bytes and a zero pad byte. It decodes to exactly the bf16
+row the reference keeps (FP8 fake-quant of the nope dims, rope dims as they are), so the kernels
+here compute what `layers.sink_attention` computes over the reference's cache.
+
+Entries live in a pool (`uint8 [entries, 584]`); a query row names the entries it attends to by
+index (its sliding window plus its compressed entries), -1 for none. One pool can hold the window
+rings and compressed caches of many sequences and layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from dsuf.model import quant
+
+from .linear import sm_count
+from .runtime import get_kernel, ptr
+
+KV_ENTRY_BYTES = 584
+HEAD_DIM = 512
+ROPE_DIM = 64
+NOPE_DIM = HEAD_DIM - ROPE_DIM
+KV_BLOCK = 64  # nope dims per scale
+HEADS = 64
+TILE = 32  # entries per tile of the attention kernel
+_ROW = HEAD_DIM + 8
+SHARED_BYTES = HEADS * _ROW * 2 + TILE * _ROW * 2 + HEADS * (TILE + 4) * 4 + HEADS * (TILE + 8) * 2 + HEADS * 4 + TILE * 4
+"""Dynamic shared memory of sparse_attn_decode (mirror of SMEM_BYTES in sparse_attn.cu)."""
+
+
+def new_pool(entries: int, device: torch.device | str) -> torch.Tensor:
+    """An empty KV pool: uint8 [entries, 584]."""
+    return torch.zeros((entries, KV_ENTRY_BYTES), dtype=torch.uint8, device=device)
+
+
+def pack_kv(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+    """Write bf16 rows x [rows, 512] (after kv_norm and RoPE) as FP8 entries: row i into
+    pool[slots[i]] (slots int32 [rows], < 0 skips the row), or into pool[i] without slots."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != HEAD_DIM:
+        raise ValueError(f"pack_kv: need bf16 [rows, {HEAD_DIM}], got {x.dtype} {tuple(x.shape)}")
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != KV_ENTRY_BYTES or not pool.is_contiguous():
+        raise ValueError(f"pack_kv: the pool must be contiguous uint8 [entries, {KV_ENTRY_BYTES}]")
+    if slots is not None and (slots.dtype != torch.int32 or tuple(slots.shape) != (x.shape[0],)):
+        raise ValueError(f"pack_kv: slots must be int32 [{x.shape[0]}]")
+    rows = x.shape[0]
+    if rows:
+        get_kernel("kv_cache", "kv_pack_fp8", x.device)(
+            (math.ceil(rows / 8), 1, 1), 256, [ptr(x.contiguous()), ptr(slots), ptr(pool), ctypes.c_int(rows)]
+        )
+
+
+def unpack_kv(entries: torch.Tensor) -> torch.Tensor:
+    """FP8 entries uint8 [..., 584] -> the bf16 rows [..., 512] they hold (torch, for tests and
+    the reference path)."""
+    nope = entries[..., :NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float()
+    scales = quant.e8m0_decode(entries[..., HEAD_DIM + ROPE_DIM : HEAD_DIM + ROPE_DIM + NOPE_DIM // KV_BLOCK])
+    nope = (nope.unflatten(-1, (-1, KV_BLOCK)) * scales.unsqueeze(-1)).flatten(-2)
+    rope = entries[..., NOPE_DIM : NOPE_DIM + 2 * ROPE_DIM].contiguous().view(torch.bfloat16)
+    return torch.cat((nope.to(torch.bfloat16), rope), dim=-1)
+
+
+class AttnParams(ctypes.Structure):
+    """Mirror of `struct AttnParams` in kernels_cu/sparse_attn.cu."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("kv", ctypes.c_void_p),
+        ("idx", ctypes.c_void_p),
+        ("sink", ctypes.c_void_p),
+        ("part_o", ctypes.c_void_p),
+        ("part_ml", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("n_idx", ctypes.c_int),
+        ("per_split", ctypes.c_int),
+        ("splits", ctypes.c_int),
+        ("scale", ctypes.c_float),
+    ]
+
+
+def choose_splits(n_idx: int, rows: int, sms: int) -> tuple[int, int]:
+    """(splits, index slots per split): one CTA per SM (the kernel fills one), so about
+    sms / rows splits a row, never more than the row has tiles, none of them empty."""
+    tiles = max(1, math.ceil(n_idx / TILE))
+    want = max(1, min(tiles, sms // max(1, rows)))
+    per_split = math.ceil(tiles / want)
+    return math.ceil(tiles / per_split), per_split * TILE
+
+
+def sparse_attention(
+    q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q bf16 [rows, 64, 512] (after the per-head norm and RoPE) against the pool entries named by
+    idx int32 [rows, n] (< 0: none), with attention sinks float32 [64] -> bf16 [rows, 64, 512].
+    Each row must name at least one entry."""
+    rows = q.shape[0]
+    if q.dtype != torch.bfloat16 or tuple(q.shape[1:]) != (HEADS, HEAD_DIM):
+        raise ValueError(f"sparse_attention: need bf16 q [rows, {HEADS}, {HEAD_DIM}], got {q.dtype} {tuple(q.shape)}")
+    if idx.dtype != torch.int32 or idx.dim() != 2 or idx.shape[0] != rows or idx.shape[1] < 1:
+        raise ValueError(f"sparse_attention: need int32 idx [{rows}, n >= 1], got {idx.dtype} {tuple(idx.shape)}")
+    if pool.dtype != torch.uint8 or pool.shape[-1] != KV_ENTRY_BYTES or not pool.is_contiguous():
+        raise ValueError(f"sparse_attention: the pool must be contiguous uint8 [entries, {KV_ENTRY_BYTES}]")
+    n_idx = idx.shape[1]
+    splits, per_split = choose_splits(n_idx, rows, sm_count(q.device))
+    part_o = torch.empty((rows, splits, HEADS, HEAD_DIM), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((rows, splits, HEADS, 2), dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty((rows, HEADS, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+    q, idx, sink = q.contiguous(), idx.contiguous(), sink.float().contiguous()
+    p = AttnParams()
+    p.q, p.kv, p.idx, p.sink = q.data_ptr(), pool.data_ptr(), idx.data_ptr(), sink.data_ptr()
+    p.part_o, p.part_ml, p.out = part_o.data_ptr(), part_ml.data_ptr(), out.data_ptr()
+    p.n_idx, p.per_split, p.splits, p.scale = n_idx, per_split, splits, scale
+    get_kernel("sparse_attn", "sparse_attn_decode", q.device)((splits, rows, 1), 256, [p], shared=SHARED_BYTES)
+    get_kernel("sparse_attn", "sparse_attn_combine", q.device)((HEADS, rows, 1), 128, [p])
+    return out

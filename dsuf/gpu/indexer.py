@@ -1,0 +1,167 @@
+"""The lightning indexer at decode (kernels_cu/indexer.cu): scores of every compressed index key,
+then the top-k entries a CSA layer attends to.
+
+V4-Flash's index keys are FP4: 68-byte entries (model.md §5) of 128 e2m1 values (64 bytes, even
+element in the low nibble) and 4 UE8M0 scales, one per 32 dims. The reference keeps the same
+values fake-quantised in bf16 (Hadamard-rotated, then `quant.fp4_fake_quant_ue8m0`); queries are
+quantised the same way and reach the kernel as their e2m1 grid values in e4m3 plus float scales.
+Scores follow the reference bit for bit (see indexer.cu); the top-k is the reference's
+`select_topk` (k largest, ties to the lower index), returned in ascending index order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import torch
+
+from dsuf.model import quant
+
+from .runtime import get_kernel
+
+INDEX_ENTRY_BYTES = 68
+INDEX_HEADS = 64
+INDEX_DIM = 128
+FP4_BLOCK = 32
+TOPK_THREADS = 1024
+TOPK_SHARED_MAX = 192 << 10  # scores a top-k CTA stages in shared memory: up to 48k per row
+_FP4_MAX_INV = float(np.float32(1 / 6))
+_FP4_AMAX_FLOOR = 6 * 2.0**-126
+
+
+def _fp4_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e2m1 grid values float32 [..., 4, 32], scale exponents int32 [..., 4]) of x [..., 128]:
+    `quant.fp4_fake_quant_ue8m0(x, 32)` = grid * 2**exponent, computed without host copies or
+    synchronisation (so it can be captured in a CUDA graph). Applied to values that are already
+    fake-quantised it returns the same values (their scale, or half of it, both exact)."""
+    xb = x.float().unflatten(-1, (-1, FP4_BLOCK))
+    exponent = quant.ceil_log2_exact(xb.abs().amax(-1).clamp_min(_FP4_AMAX_FLOOR) * _FP4_MAX_INV)
+    a = (xb / ((exponent + 127) << 23).view(torch.float32).unsqueeze(-1)).clamp(-6.0, 6.0)
+    m = a.abs()
+    # e2m1 magnitude code, round-to-nearest-even: ties at 0.25, 1.25, 2.5, 5 go down, at 0.75,
+    # 1.75, 3.5 up (quant.e2m1_encode); code -> value 0, .5, 1, 1.5, 2, 3, 4, 6.
+    mag = (m > 0.25).int() + (m >= 0.75).int() + (m > 1.25).int() + (m >= 1.75).int() + (m > 2.5).int() + (m >= 3.5).int() + (m > 5.0).int()
+    value = torch.where(mag <= 4, 0.5 * mag, torch.where(mag == 7, 6.0, mag - 2.0))
+    return torch.where(a < 0, -value, value), exponent
+
+
+def fp4_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's FP4 fake-quant of x [..., 128] (ue8m0 scales per 32), split into its e2m1
+    values as float8_e4m3fn [..., 128] and float32 scales [..., 4]: values = e4m3 * scale."""
+    grid, exponent = _fp4_blocks(x)
+    return grid.flatten(-2).to(torch.float8_e4m3fn), ((exponent + 127) << 23).view(torch.float32)
+
+
+def pack_index_keys(keys: torch.Tensor) -> torch.Tensor:
+    """Keys [n, 128] -> 68-byte entries uint8 [n, 68] holding their FP4 fake-quant (lossless for
+    keys that are already fake-quantised)."""
+    grid, exponent = _fp4_blocks(keys)
+    m = grid.abs()
+    mag = torch.where(m <= 2.0, 2.0 * m, torch.where(m == 6.0, 7.0, m + 2.0)).to(torch.uint8)
+    codes = (mag | ((grid < 0).to(torch.uint8) << 3)).flatten(-2)
+    return torch.cat((quant.pack_fp4(codes).view(torch.uint8), (exponent + 127).to(torch.uint8)), dim=-1)
+
+
+def unpack_index_keys(entries: torch.Tensor) -> torch.Tensor:
+    """68-byte entries uint8 [..., 68] -> float32 values [..., 128]."""
+    values = quant.e2m1_decode(quant.unpack_fp4(entries[..., : INDEX_DIM // 2]))
+    scale = quant.e8m0_decode(entries[..., INDEX_DIM // 2 :])
+    return (values.unflatten(-1, (-1, FP4_BLOCK)) * scale.unsqueeze(-1)).flatten(-2)
+
+
+class IndexParams(ctypes.Structure):
+    """Mirror of `struct IndexParams` in kernels_cu/indexer.cu."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("q_scale", ctypes.c_void_p),
+        ("w", ctypes.c_void_p),
+        ("keys", ctypes.c_void_p),
+        ("key_start", ctypes.c_void_p),
+        ("n_keys", ctypes.c_void_p),
+        ("scores", ctypes.c_void_p),
+        ("stride", ctypes.c_int),
+        ("chunk", ctypes.c_int),
+    ]
+
+
+class TopkParams(ctypes.Structure):
+    """Mirror of `struct TopkParams` in kernels_cu/indexer.cu."""
+
+    _fields_ = [
+        ("scores", ctypes.c_void_p),
+        ("n_keys", ctypes.c_void_p),
+        ("offset", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("stride", ctypes.c_int),
+        ("out_stride", ctypes.c_int),
+        ("out_col", ctypes.c_int),
+        ("k", ctypes.c_int),
+        ("cache", ctypes.c_int),
+    ]
+
+
+def index_scores(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    key_start: torch.Tensor,
+    n_keys: torch.Tensor,
+    max_keys: int,
+) -> torch.Tensor:
+    """Index scores float32 [rows, max_keys]: row r scores keys[key_start[r] + j] for
+    j < n_keys[r] (int32 device tensors, so they may change without the host knowing; every
+    n_keys[r] <= max_keys); columns past n_keys[r] are -inf.
+
+    q: float8_e4m3fn [rows, 64, 128] and q_scale float32 [rows, 64, 4] (`fp4_quantize` of the
+    queries); weights float32 [rows, 64]; keys: the 68-byte entry pool uint8 [entries, 68]."""
+    rows = q.shape[0]
+    if q.dtype != torch.float8_e4m3fn or tuple(q.shape[1:]) != (INDEX_HEADS, INDEX_DIM):
+        raise ValueError(f"index_scores: need e4m3 q [rows, {INDEX_HEADS}, {INDEX_DIM}], got {q.dtype} {tuple(q.shape)}")
+    if keys.dtype != torch.uint8 or keys.shape[-1] != INDEX_ENTRY_BYTES or not keys.is_contiguous():
+        raise ValueError(f"index_scores: the key pool must be contiguous uint8 [entries, {INDEX_ENTRY_BYTES}]")
+    for name, t in (("key_start", key_start), ("n_keys", n_keys)):
+        if t.dtype != torch.int32 or tuple(t.shape) != (rows,):
+            raise ValueError(f"index_scores: {name} must be int32 [{rows}]")
+    scores = torch.empty((rows, max_keys), dtype=torch.float32, device=q.device)
+    chunk = 128 * max(1, min(8, math.ceil(max_keys / (128 * 256))))  # ≥ 256 CTAs a row at long context
+    q, q_scale, weights = q.contiguous(), q_scale.float().contiguous(), weights.float().contiguous()
+    p = IndexParams()
+    p.q, p.q_scale, p.w, p.keys = q.data_ptr(), q_scale.data_ptr(), weights.data_ptr(), keys.data_ptr()
+    p.key_start, p.n_keys, p.scores = key_start.data_ptr(), n_keys.data_ptr(), scores.data_ptr()
+    p.stride, p.chunk = max_keys, chunk
+    get_kernel("indexer", "index_scores", q.device)((math.ceil(max_keys / chunk), rows, 1), 256, [p])
+    return scores
+
+
+def topk_indices(
+    scores: torch.Tensor,
+    n_keys: torch.Tensor,
+    k: int,
+    out: torch.Tensor | None = None,
+    out_col: int = 0,
+    offset: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The indices of the min(k, n_keys[r]) largest of scores[r, :n_keys[r]] (ties to the lower
+    index), ascending, plus offset[r] if given, written to out[r, out_col : out_col + k] (int32;
+    -1 past the picks). Returns out (allocated [rows, k] when None)."""
+    rows, stride = scores.shape
+    if scores.dtype != torch.float32 or not scores.is_contiguous():
+        raise ValueError("topk_indices: scores must be contiguous float32 [rows, n]")
+    if out is None:
+        out = torch.empty((rows, k), dtype=torch.int32, device=scores.device)
+    if out.dtype != torch.int32 or out.shape[0] != rows or out.shape[1] < out_col + k or out.stride(1) != 1:
+        raise ValueError(f"topk_indices: out must be int32 [{rows}, >= {out_col + k}] with unit column stride")
+    for name, t in (("n_keys", n_keys), ("offset", offset)):
+        if t is not None and (t.dtype != torch.int32 or tuple(t.shape) != (rows,)):
+            raise ValueError(f"topk_indices: {name} must be int32 [{rows}]")
+    cache = min(stride, TOPK_SHARED_MAX // 4)
+    p = TopkParams()
+    p.scores, p.n_keys, p.out = scores.data_ptr(), n_keys.data_ptr(), out.data_ptr()
+    p.offset = offset.data_ptr() if offset is not None else 0
+    p.stride, p.out_stride, p.out_col, p.k, p.cache = stride, out.stride(0), out_col, k, cache
+    get_kernel("indexer", "topk_select", scores.device)((rows, 1, 1), TOPK_THREADS, [p], shared=4 * cache)
+    return out

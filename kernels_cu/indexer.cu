@@ -1,0 +1,254 @@
+// The lightning indexer at decode: scores of every compressed index key, then their top-k.
+//
+// index_scores: score[row, j] = bf16( sum_h f32(relu(bf16(q_h . k_j)) * w_h) ) as the reference
+// (layers.IndexScorer.scores in reference numerics) computes it: dots exact in float64 rounded to
+// float32 then bf16, the head sum in float64 rounded to float32 then bf16. Queries and keys are
+// FP4 (e2m1) with a UE8M0 scale per 32 dims: q arrives as its e2m1 grid values in e4m3 with float
+// scales [rows, 64, 4]; a key is the V4 68-byte entry (64 bytes of e2m1, even element in the low
+// nibble, then 4 scale bytes). One mma m16n8k32 (e4m3) per 32-dim block: 16 keys x 8 heads, exact
+// (e2m1 products summed over 32 fit the tensor cores' fp32 accumulation); the blocks are scaled
+// and summed in float64. A lane feeds the mma the bytes it loaded itself: the order of k inside
+// one mma is free as long as A and B agree (as in gemm.cu). grid (key chunks, rows), 8 warps, each
+// warp 16 keys at a time; keys past the row's count get -inf.
+//
+// topk_select: per row, the indices of the k largest scores among its first n, ties to the lower
+// index (the reference's stable descending sort), written in ascending index order plus an offset
+// (a pool entry); slots past min(k, n) get -1. Radix select on order-preserving 32-bit keys, 8 bits
+// a round, then one pass in index order. One CTA of 1024 threads per row; the row's keys are
+// staged in shared memory when they fit.
+#include "common.cuh"
+
+#define IDX_HEADS 64
+#define IDX_DIM 128
+#define IDX_ENTRY 68
+#define NEG_INF __int_as_float(0xff800000)
+
+struct IndexParams {
+  const u8* q;           // [rows, 64, 128] e4m3: the FP4 queries' e2m1 values
+  const float* q_scale;  // [rows, 64, 4] their scales
+  const float* w;        // [rows, 64] head weights (weights_proj(x) * (128 * 64) ** -0.5)
+  const u8* keys;        // index-key pool [entries, 68]
+  const int* key_start;  // [rows] pool entry of the row's key 0
+  const int* n_keys;     // [rows] keys of the row
+  float* scores;         // [rows, stride]
+  int stride;
+  int chunk;             // keys per CTA, a multiple of 128
+};
+
+DSUF_DEVICE u32 ldg_u32(const void* p) {
+  u32 v;
+  asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// e2m1 codes to e4m3 bytes holding value * 2**-6 (see gemm.cu).
+DSUF_DEVICE u32 e2m1_lo(u32 w) { return ((w & 0x08080808u) << 4) | ((w & 0x07070707u) << 2); }
+DSUF_DEVICE u32 e2m1_hi(u32 w) { return (w & 0x80808080u) | ((w & 0x70707070u) >> 2); }
+
+DSUF_DEVICE float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+extern "C" __global__ void __launch_bounds__(256) index_scores(const __grid_constant__ IndexParams p) {
+  __shared__ double qs_s[IDX_HEADS * 4];  // q scale * 64 (undoes the 2**-6 of the key bytes)
+  __shared__ float w_s[IDX_HEADS];
+  const int row = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  for (int i = threadIdx.x; i < IDX_HEADS * 4; i += blockDim.x) qs_s[i] = 64.0 * (double)p.q_scale[(i64)row * IDX_HEADS * 4 + i];
+  if (threadIdx.x < IDX_HEADS) w_s[threadIdx.x] = p.w[(i64)row * IDX_HEADS + threadIdx.x];
+
+  // B fragments of all 64 heads (8 tiles of 8) x 4 blocks: head 8 nt + g, elements 32 b + 8 t ..
+  u32 b0[8][4], b1[8][4];
+  const u8* q = p.q + (i64)row * IDX_HEADS * IDX_DIM;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const uint2 x = *reinterpret_cast<const uint2*>(q + (8 * nt + g) * IDX_DIM + 32 * b + 8 * t);
+      b0[nt][b] = __byte_perm(x.x, x.y, 0x6420);  // even elements: k slots 4t .. 4t+3
+      b1[nt][b] = __byte_perm(x.x, x.y, 0x7531);  // odd elements: k slots 16+4t ..
+    }
+  __syncthreads();
+
+  const int n = p.n_keys[row];
+  const u8* keys = p.keys + (i64)p.key_start[row] * IDX_ENTRY;
+  float* out = p.scores + (i64)row * p.stride;
+  const int lo = blockIdx.x * p.chunk, hi = min(p.stride, lo + p.chunk);
+  for (int k0 = lo + 16 * warp; k0 < hi; k0 += 16 * 8) {
+    const int ja = k0 + g, jb = k0 + g + 8;
+    u32 wa[4] = {0, 0, 0, 0}, wb[4] = {0, 0, 0, 0}, sa = 0x7f7f7f7fu, sb = 0x7f7f7f7fu;
+    if (ja < n) {
+      const u8* k = keys + (i64)ja * IDX_ENTRY;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) wa[b] = ldg_u32(k + 16 * b + 4 * t);
+      sa = ldg_u32(k + 64);
+    }
+    if (jb < n) {
+      const u8* k = keys + (i64)jb * IDX_ENTRY;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) wb[b] = ldg_u32(k + 16 * b + 4 * t);
+      sb = ldg_u32(k + 64);
+    }
+    double ska[4], skb[4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      ska[b] = (double)e8m0_to_f32((sa >> (8 * b)) & 0xff);
+      skb[b] = (double)e8m0_to_f32((sb >> (8 * b)) & 0xff);
+    }
+    double score_a = 0.0, score_b = 0.0;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int h0 = 8 * nt + 2 * t, h1 = h0 + 1;
+      double dot[4] = {0.0, 0.0, 0.0, 0.0};  // (ja, h0), (ja, h1), (jb, h0), (jb, h1)
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        float d[4];
+        mma_e4m3(d, e2m1_lo(wa[b]), e2m1_lo(wb[b]), e2m1_hi(wa[b]), e2m1_hi(wb[b]), b0[nt][b], b1[nt][b]);
+        const double q0 = qs_s[h0 * 4 + b], q1 = qs_s[h1 * 4 + b];
+        dot[0] += (double)d[0] * (q0 * ska[b]);
+        dot[1] += (double)d[1] * (q1 * ska[b]);
+        dot[2] += (double)d[2] * (q0 * skb[b]);
+        dot[3] += (double)d[3] * (q1 * skb[b]);
+      }
+      // relu(bf16(f32(dot))) * w_h in float32, summed in float64.
+      score_a += (double)(fmaxf(bf16_round((float)dot[0]), 0.0f) * w_s[h0]);
+      score_a += (double)(fmaxf(bf16_round((float)dot[1]), 0.0f) * w_s[h1]);
+      score_b += (double)(fmaxf(bf16_round((float)dot[2]), 0.0f) * w_s[h0]);
+      score_b += (double)(fmaxf(bf16_round((float)dot[3]), 0.0f) * w_s[h1]);
+    }
+    score_a += __shfl_xor_sync(0xffffffffu, score_a, 1);
+    score_a += __shfl_xor_sync(0xffffffffu, score_a, 2);
+    score_b += __shfl_xor_sync(0xffffffffu, score_b, 1);
+    score_b += __shfl_xor_sync(0xffffffffu, score_b, 2);
+    if (t == 0) {
+      if (ja < hi) out[ja] = ja < n ? bf16_round((float)score_a) : NEG_INF;
+      if (jb < hi) out[jb] = jb < n ? bf16_round((float)score_b) : NEG_INF;
+    }
+  }
+}
+
+// ---- top-k -----------------------------------------------------------------------------------
+
+#define TOPK_THREADS 1024
+
+struct TopkParams {
+  const float* scores;   // [rows, stride]
+  const int* n_keys;     // [rows] candidates of each row: its first n scores
+  const int* offset;     // [rows] added to every index written, or null
+  int* out;              // [rows, out_stride], written at columns [out_col, out_col + k)
+  int stride, out_stride, out_col, k;
+  int cache;             // scores a row may stage in shared memory (dynamic smem / 4)
+};
+
+// Order-preserving key of a float: larger float, larger key; -0 counts as +0.
+DSUF_DEVICE u32 order_key(float f) {
+  u32 u = __float_as_uint(f);
+  if ((u << 1) == 0) u = 0;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Exclusive prefix count of `flag` over the block (thread order) and the block's total.
+DSUF_DEVICE int block_rank(bool flag, int* warp_sums, int& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const u32 ballot = __ballot_sync(0xffffffffu, flag);
+  if (lane == 0) warp_sums[warp] = __popc(ballot);
+  __syncthreads();
+  if (warp == 0) {
+    const int v = warp_sums[lane];
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int u = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += u;
+    }
+    warp_sums[32 + lane] = incl - v;
+    if (lane == 31) warp_sums[64] = incl;
+  }
+  __syncthreads();
+  const int rank = warp_sums[32 + warp] + __popc(ballot & ((1u << lane) - 1));
+  total = warp_sums[64];
+  __syncthreads();  // warp_sums is reused by the next call
+  return rank;
+}
+
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_select(const __grid_constant__ TopkParams p) {
+  extern __shared__ u32 cached[];
+  __shared__ int hist[256];
+  __shared__ int warp_sums[65];
+  __shared__ u32 pick_bin;
+  __shared__ int pick_above;
+  const int row = blockIdx.x, tid = threadIdx.x;
+  const int n = p.n_keys[row];
+  const int kk = min(p.k, n);
+  const float* scores = p.scores + (i64)row * p.stride;
+  int* out = p.out + (i64)row * p.out_stride + p.out_col;
+  const int add = p.offset ? p.offset[row] : 0;
+  const bool in_smem = n <= p.cache;
+
+  for (int i = kk + tid; i < p.k; i += TOPK_THREADS) out[i] = -1;
+  if (kk == 0) return;
+
+  // Radix select of the kk-th largest key: `prefix` holds its bits found so far (under `mask`),
+  // `need` how many keys sharing that prefix still belong to the top kk.
+  // (kk == n: every key is taken, no search.)
+  u32 prefix = 0, mask = 0;
+  int need = kk;
+  for (int shift = 24; shift >= 0 && kk < n; shift -= 8) {
+    for (int i = tid; i < 256; i += TOPK_THREADS) hist[i] = 0;
+    __syncthreads();
+    for (int i = tid; i < n; i += TOPK_THREADS) {
+      u32 key;
+      if (shift == 24) {
+        key = order_key(scores[i]);
+        if (in_smem) cached[i] = key;
+      } else {
+        key = in_smem ? cached[i] : order_key(scores[i]);
+      }
+      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xff], 1);
+    }
+    __syncthreads();
+    if (tid < 32) {  // lane L scans bins 255 - 8L down to 248 - 8L; suffix sums across lanes
+      int local = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) local += hist[255 - 8 * tid - i];
+      int incl = local;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, incl, o);
+        if (tid >= o) incl += u;
+      }
+      int above = incl - local;  // keys in higher bins (lower lanes)
+      if (above < need && incl >= need) {
+        for (int i = 0; i < 8; ++i) {
+          const int bin = 255 - 8 * tid - i;
+          if (above + hist[bin] >= need) {
+            pick_bin = bin;
+            pick_above = above;
+            break;
+          }
+          above += hist[bin];
+        }
+      }
+    }
+    __syncthreads();
+    prefix |= pick_bin << shift;
+    mask |= 0xffu << shift;
+    need -= pick_above;
+    __syncthreads();  // pick_* are rewritten next round
+  }
+
+  // prefix is now the kk-th largest key: take every larger key and the first `need` equal ones,
+  // in index order.
+  int taken = 0, equal_seen = 0;
+  for (int c = 0; c < n; c += TOPK_THREADS) {
+    const int i = c + tid;
+    u32 key = 0;
+    if (i < n) key = in_smem && kk < n ? cached[i] : order_key(scores[i]);
+    const bool eq = i < n && key == prefix;
+    int eq_total;
+    const int eq_rank = equal_seen + block_rank(eq, warp_sums, eq_total);
+    const bool take = i < n && (key > prefix || (eq && eq_rank < need));
+    int take_total;
+    const int at = taken + block_rank(take, warp_sums, take_total);
+    if (take) out[at] = i + add;
+    taken += take_total;
+    equal_seen += eq_total;
+  }
+}

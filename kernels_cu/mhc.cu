@@ -1,0 +1,125 @@
+// Manifold-constrained hyper-connections (mHC) at decode, as layers.HyperConnection and
+// layers.hc_expand compute them (n = 4 streams of D):
+//   hc_mixes:        mix[t, r] = f32(flat_t . fn_r) * f32(1 / sqrt(mean(flat_t^2) + eps)), flat_t
+//                    the n*D stream values, float64 sums; grid (rows of fn, T), 256 threads.
+//   hc_coefficients: pre = f32(sigmoid(mix * scale0 + base)) + hc_eps; post = 2 f32(sigmoid(..));
+//                    comb = Sinkhorn of softmax(logits) in float64 (row/column normalisation,
+//                    `iters` rounds in all); grid (T), one warp (lane 4j + k holds comb[j, k]).
+//   hc_expand:       X'_k = f32(post_k * out) + f32(sum_j comb[j, k] X_j (float64)), to bf16;
+//                    grid (D / 2048, T), 256 threads x 8 dims.
+// Float32 products and sums are written with __fmul_rn / __fadd_rn so that none is contracted to
+// an FMA: the reference rounds each of them.
+#include "common.cuh"
+
+#define HC_N 4
+
+extern "C" __global__ void __launch_bounds__(256) hc_mixes(
+    const u16* __restrict__ x, const float* __restrict__ fn, float* __restrict__ mix, int D, double eps) {
+  __shared__ double part[2][8];
+  const int r = blockIdx.x, tok = blockIdx.y, rows = gridDim.x, len = HC_N * D;
+  const u16* xt = x + (i64)tok * len;
+  const float* f = fn + (i64)r * len;
+  double dot = 0.0, sq = 0.0;
+  for (int i = 8 * threadIdx.x; i < len; i += 8 * 256) {
+    const uint4 xv = *reinterpret_cast<const uint4*>(xt + i);
+    const float4 f0 = *reinterpret_cast<const float4*>(f + i);
+    const float4 f1 = *reinterpret_cast<const float4*>(f + i + 4);
+    const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w};
+    const float fv[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const double v = bf16_to_f32(k & 1 ? xw[k >> 1] >> 16 : xw[k >> 1] & 0xffff);
+      dot += v * (double)fv[k];
+      sq += v * v;
+    }
+  }
+  dot = warp_sum(dot);
+  sq = warp_sum(sq);
+  if ((threadIdx.x & 31) == 0) {
+    part[0][threadIdx.x >> 5] = dot;
+    part[1][threadIdx.x >> 5] = sq;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double d = 0.0, s = 0.0;
+    for (int w = 0; w < 8; ++w) d += part[0][w], s += part[1][w];
+    const float rs = (float)(1.0 / sqrt(s / len + eps));
+    mix[(i64)tok * rows + r] = __fmul_rn((float)d, rs);
+  }
+}
+
+DSUF_DEVICE double sigmoid_f64(double z) { return 1.0 / (1.0 + exp(-z)); }
+
+extern "C" __global__ void __launch_bounds__(32) hc_coefficients(
+    const float* __restrict__ mix, const float* __restrict__ scale, const float* __restrict__ base,
+    float* __restrict__ pre, float* __restrict__ post, float* __restrict__ comb, float hc_eps, int iters) {
+  const int tok = blockIdx.x, lane = threadIdx.x;
+  const float* m = mix + (i64)tok * (2 + HC_N) * HC_N;
+  if (lane < HC_N) {
+    const float z = __fadd_rn(__fmul_rn(m[lane], scale[0]), base[lane]);
+    pre[tok * HC_N + lane] = __fadd_rn((float)sigmoid_f64(z), hc_eps);
+  } else if (lane < 2 * HC_N) {
+    const float z = __fadd_rn(__fmul_rn(m[lane], scale[1]), base[lane]);
+    post[tok * HC_N + lane - HC_N] = 2.0f * (float)sigmoid_f64(z);
+  }
+  const int c = lane & 15;  // comb[j, k], j = c / 4, k = c % 4
+  const double logit = __fadd_rn(__fmul_rn(m[2 * HC_N + c], scale[2]), base[2 * HC_N + c]);
+  const double eps = hc_eps;
+  double mx = fmax(logit, __shfl_xor_sync(0xffffffffu, logit, 1));
+  mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  double v = exp(logit - mx);
+  double row = v + __shfl_xor_sync(0xffffffffu, v, 1);
+  row += __shfl_xor_sync(0xffffffffu, row, 2);
+  v = v / row + eps;  // softmax over k, + eps
+  double col = v + __shfl_xor_sync(0xffffffffu, v, 4);
+  col += __shfl_xor_sync(0xffffffffu, col, 8);
+  v = v / (col + eps);
+  for (int it = 1; it < iters; ++it) {
+    row = v + __shfl_xor_sync(0xffffffffu, v, 1);
+    row += __shfl_xor_sync(0xffffffffu, row, 2);
+    v = v / (row + eps);
+    col = v + __shfl_xor_sync(0xffffffffu, v, 4);
+    col += __shfl_xor_sync(0xffffffffu, col, 8);
+    v = v / (col + eps);
+  }
+  if (lane < 16) comb[tok * HC_N * HC_N + c] = (float)v;
+}
+
+extern "C" __global__ void __launch_bounds__(256) hc_expand(
+    const u16* __restrict__ out, const u16* __restrict__ x, const float* __restrict__ post,
+    const float* __restrict__ comb, u16* __restrict__ y, int D) {
+  const int tok = blockIdx.y, d = (blockIdx.x * 256 + threadIdx.x) * 8;
+  if (d >= D) return;
+  float cm[HC_N][HC_N], pk[HC_N];
+#pragma unroll
+  for (int j = 0; j < HC_N; ++j) {
+    pk[j] = post[tok * HC_N + j];
+#pragma unroll
+    for (int k = 0; k < HC_N; ++k) cm[j][k] = comb[(tok * HC_N + j) * HC_N + k];
+  }
+  float o[8], xs[HC_N][8];
+  const uint4 ov = *reinterpret_cast<const uint4*>(out + (i64)tok * D + d);
+  const u32 ow[4] = {ov.x, ov.y, ov.z, ov.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o[i] = bf16_to_f32(i & 1 ? ow[i >> 1] >> 16 : ow[i >> 1] & 0xffff);
+#pragma unroll
+  for (int j = 0; j < HC_N; ++j) {
+    const uint4 xv = *reinterpret_cast<const uint4*>(x + ((i64)tok * HC_N + j) * D + d);
+    const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) xs[j][i] = bf16_to_f32(i & 1 ? xw[i >> 1] >> 16 : xw[i >> 1] & 0xffff);
+  }
+#pragma unroll
+  for (int k = 0; k < HC_N; ++k) {
+    float r[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      double mixed = 0.0;
+#pragma unroll
+      for (int j = 0; j < HC_N; ++j) mixed += (double)cm[j][k] * (double)xs[j][i];
+      r[i] = __fadd_rn(__fmul_rn(pk[k], o[i]), (float)mixed);
+    }
+    *reinterpret_cast<uint4*>(y + ((i64)tok * HC_N + k) * D + d) =
+        make_uint4(bf16x2(r[0], r[1]), bf16x2(r[2], r[3]), bf16x2(r[4], r[5]), bf16x2(r[6], r[7]));
+  }
+}

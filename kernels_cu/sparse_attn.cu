@@ -1,0 +1,265 @@
+// Sparse MQA decode for V4-Flash: per query row, 64 heads of 512 dims attend to one shared K = V
+// head over a list of FP8 KV entries (kv_cache.cu's 584-byte layout) named by index (the sliding
+// window plus the compressed entries a layer sees: the indexer's top-k, or every visible one),
+// with per-head attention sinks. What layers.sink_attention computes in reference numerics:
+//   s = (q . k) * scale; p = exp(s - max); out = sum(bf16(p) k) / (sum(p) + exp(sink - max)).
+//
+// Flash-decoding: grid (splits, rows). CTA (split, row) takes index slots
+// [split * per_split, +per_split) of its row in tiles of 32 entries: the tile is gathered and
+// dequantised to bf16 in shared memory, S = Q K^T on the tensor cores (bf16 mma, fp32
+// accumulators), an online softmax in fp32 (probabilities rounded to bf16 against the running
+// max, as the reference kernel does), O += P K. It writes its unnormalised O, its max and its sum
+// of probabilities; sparse_attn_combine merges the splits in split order (deterministic) and adds
+// the sink to the denominator.
+//
+// Warp roles (8 warps): for S, warp w computes heads 16 (w % 4) .. +16 x keys 16 (w / 4) .. +16;
+// the softmax runs 4 threads per head; for O, warp w owns dims 64 w .. +64 of all 64 heads
+// (128 fp32 accumulators a thread).
+#include "common.cuh"
+
+#define HEADS 64
+#define DIM 512
+#define TILE 32                // KV entries per tile
+#define KV_ENTRY 584
+#define ROW (DIM + 8)          // bf16 row stride of Q and K in shared memory (conflict-free ldmatrix)
+#define S_ROW (TILE + 4)       // float row stride of the score tile
+#define P_ROW (TILE + 8)       // bf16 row stride of the probability tile
+#define NEG_INF __int_as_float(0xff800000)
+
+struct AttnParams {
+  const u16* q;        // [rows, 64, 512] bf16
+  const u8* kv;        // KV pool [entries, 584]
+  const int* idx;      // [rows, n_idx] pool entries; < 0: no entry
+  const float* sink;   // [64] attention-sink logits
+  float* part_o;       // [rows, splits, 64, 512] unnormalised outputs of each split
+  float* part_ml;      // [rows, splits, 64, 2] (running max, sum of probabilities) of each split
+  u16* out;            // [rows, 64, 512] bf16
+  int n_idx;           // index slots per row
+  int per_split;       // index slots per split, a multiple of TILE
+  int splits;
+  float scale;         // softmax scale (head_dim ** -0.5)
+};
+
+// Shared memory of sparse_attn_decode, in bytes (the launcher asks for this much).
+#define SMEM_Q 0
+#define SMEM_K (SMEM_Q + HEADS * ROW * 2)
+#define SMEM_S (SMEM_K + TILE * ROW * 2)
+#define SMEM_P (SMEM_S + HEADS * S_ROW * 4)
+#define SMEM_ALPHA (SMEM_P + HEADS * P_ROW * 2)
+#define SMEM_IDX (SMEM_ALPHA + HEADS * 4)
+#define SMEM_BYTES (SMEM_IDX + TILE * 4)
+
+// One thread's share of a tile in flight: thread (entry e = tid / 8, part j = tid % 8) loads the
+// entry's 8-byte words j + 8 i (i < 7: nope dims 8 (j + 8 i) .., all in scale block i; i = 7, 8:
+// rope dims 448 + 4 j and 480 + 4 j) and the word holding the 7 scales.
+struct Gather {
+  uint2 w[9];
+  uint2 scales;
+  int entry;
+};
+
+DSUF_DEVICE uint2 ld_nc_u2(const void* p) {
+  uint2 v;
+  asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+DSUF_DEVICE void gather_load(Gather& g, const AttnParams& p, int row, int slot, int end, int j) {
+  g.entry = slot < end ? p.idx[(i64)row * p.n_idx + slot] : -1;
+  if (g.entry < 0) return;
+  const uint2* e = reinterpret_cast<const uint2*>(p.kv + (i64)g.entry * KV_ENTRY);
+#pragma unroll
+  for (int i = 0; i < 9; ++i) g.w[i] = ld_nc_u2(e + j + 8 * i);
+  g.scales = ld_nc_u2(e + 72);
+}
+
+// Dequantise into the bf16 K tile (row e); missing entries become zeros (their probability is 0,
+// and 0 * garbage could be NaN).
+DSUF_DEVICE void gather_store(const Gather& g, u16* k_row, int* idx_s, int e, int j) {
+  if (j == 0) idx_s[e] = g.entry;
+  if (g.entry < 0) {
+#pragma unroll
+    for (int i = 0; i < 7; ++i) *reinterpret_cast<uint4*>(k_row + 8 * (j + 8 * i)) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint2*>(k_row + 448 + 4 * j) = make_uint2(0, 0);
+    *reinterpret_cast<uint2*>(k_row + 480 + 4 * j) = make_uint2(0, 0);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 7; ++i) {
+    const u32 code = i < 4 ? (g.scales.x >> (8 * i)) & 0xff : (g.scales.y >> (8 * (i - 4))) & 0xff;
+    const float s = e8m0_to_f32(code);
+    float v[8];
+    e4m3x2_to_f32x2(g.w[i].x & 0xffff, v[0], v[1]);
+    e4m3x2_to_f32x2(g.w[i].x >> 16, v[2], v[3]);
+    e4m3x2_to_f32x2(g.w[i].y & 0xffff, v[4], v[5]);
+    e4m3x2_to_f32x2(g.w[i].y >> 16, v[6], v[7]);
+    // e4m3 times a power of two is exact in bf16.
+    *reinterpret_cast<uint4*>(k_row + 8 * (j + 8 * i)) =
+        make_uint4(bf16x2(v[0] * s, v[1] * s), bf16x2(v[2] * s, v[3] * s), bf16x2(v[4] * s, v[5] * s),
+                   bf16x2(v[6] * s, v[7] * s));
+  }
+  *reinterpret_cast<uint2*>(k_row + 448 + 4 * j) = g.w[7];
+  *reinterpret_cast<uint2*>(k_row + 480 + 4 * j) = g.w[8];
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __grid_constant__ AttnParams p) {
+  extern __shared__ __align__(16) u8 smem[];
+  u16* q_s = reinterpret_cast<u16*>(smem + SMEM_Q);
+  u16* k_s = reinterpret_cast<u16*>(smem + SMEM_K);
+  float* s_s = reinterpret_cast<float*>(smem + SMEM_S);
+  u16* p_s = reinterpret_cast<u16*>(smem + SMEM_P);
+  float* alpha_s = reinterpret_cast<float*>(smem + SMEM_ALPHA);
+  int* idx_s = reinterpret_cast<int*>(smem + SMEM_IDX);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int split = blockIdx.x, row = blockIdx.y;
+  const int begin = split * p.per_split, end = min(p.n_idx, begin + p.per_split);
+
+  const u16* q = p.q + (i64)row * HEADS * DIM;
+  for (int i = tid; i < HEADS * DIM / 8; i += 256) {
+    const int h = i / (DIM / 8), c = i % (DIM / 8);
+    *reinterpret_cast<uint4*>(q_s + h * ROW + 8 * c) = *reinterpret_cast<const uint4*>(q + h * DIM + 8 * c);
+  }
+
+  const int ge = tid >> 3, gj = tid & 7;  // gather role
+  const int sr = tid >> 2, sq = tid & 3;  // softmax role: head sr, keys 8 sq .. 8 sq + 7
+  float m_run = NEG_INF, l_run = 0.0f;
+  float acc[4][8][4];
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int n = 0; n < 8; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
+
+  Gather gat;
+  gather_load(gat, p, row, begin + ge, end, gj);
+  for (int base = begin; base < end; base += TILE) {
+    __syncthreads();  // the previous tile's K and P are no longer read
+    gather_store(gat, k_s + ge * ROW, idx_s, ge, gj);
+    if (base + TILE < end) gather_load(gat, p, row, base + TILE + ge, end, gj);  // next tile in flight
+    __syncthreads();
+
+    {  // S = Q K^T * scale for heads 16 mt .., keys 16 nh ..
+      const int mt = warp & 3, nh = warp >> 2;
+      float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+      const u16* qa = q_s + (16 * mt + (lane & 15)) * ROW + (lane >> 4) * 8;
+      const u16* kb = k_s + (16 * nh + (lane >> 4) * 8 + (lane & 7)) * ROW + ((lane >> 3) & 1) * 8;
+#pragma unroll 4
+      for (int ks = 0; ks < DIM / 16; ++ks) {
+        u32 a[4], b[4];
+        ldmatrix_x4(a, qa + 16 * ks);
+        ldmatrix_x4(b, kb + 16 * ks);
+        mma_bf16(s[0], a, b[0], b[1]);
+        mma_bf16(s[1], a, b[2], b[3]);
+      }
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const int col = 16 * nh + 8 * n + 2 * t;
+        float* r0 = s_s + (16 * mt + g) * S_ROW + col;
+        float* r1 = r0 + 8 * S_ROW;
+        r0[0] = s[n][0] * p.scale;
+        r0[1] = s[n][1] * p.scale;
+        r1[0] = s[n][2] * p.scale;
+        r1[1] = s[n][3] * p.scale;
+      }
+    }
+    __syncthreads();
+
+    {  // online softmax of head sr over this tile
+      float v[8], mx = NEG_INF;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        v[k] = idx_s[8 * sq + k] >= 0 ? s_s[sr * S_ROW + 8 * sq + k] : NEG_INF;
+        mx = fmaxf(mx, v[k]);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run, mx);
+      const float ref = m_new == NEG_INF ? 0.0f : m_new;  // nothing seen yet: every p is 0
+      const float alpha = expf(m_run - ref);
+      float pk[8], sum = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        pk[k] = expf(v[k] - ref);
+        sum += pk[k];
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      l_run = l_run * alpha + sum;
+      m_run = m_new;
+      if (sq == 0) alpha_s[sr] = alpha;
+      *reinterpret_cast<uint4*>(p_s + sr * P_ROW + 8 * sq) =
+          make_uint4(bf16x2(pk[0], pk[1]), bf16x2(pk[2], pk[3]), bf16x2(pk[4], pk[5]), bf16x2(pk[6], pk[7]));
+    }
+    __syncthreads();
+
+    {  // O = alpha O + P K for dims 64 warp ..
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        const float a0 = alpha_s[16 * mt + g], a1 = alpha_s[16 * mt + g + 8];
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          acc[mt][n][0] *= a0;
+          acc[mt][n][1] *= a0;
+          acc[mt][n][2] *= a1;
+          acc[mt][n][3] *= a1;
+        }
+      }
+#pragma unroll
+      for (int kstep = 0; kstep < TILE / 16; ++kstep) {
+        u32 b[4][4];
+#pragma unroll
+        for (int np = 0; np < 4; ++np)
+          ldmatrix_x4_trans(b[np], k_s + (16 * kstep + ((lane >> 3) & 1) * 8 + (lane & 7)) * ROW + 64 * warp + 16 * np +
+                                       (lane >> 4) * 8);
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+          u32 a[4];
+          ldmatrix_x4(a, p_s + (16 * mt + (lane & 15)) * P_ROW + 16 * kstep + (lane >> 4) * 8);
+#pragma unroll
+          for (int np = 0; np < 4; ++np) {
+            mma_bf16(acc[mt][2 * np], a, b[np][0], b[np][1]);
+            mma_bf16(acc[mt][2 * np + 1], a, b[np][2], b[np][3]);
+          }
+        }
+      }
+    }
+  }
+
+  const i64 part = (i64)row * p.splits + split;
+  if (sq == 0) {
+    p.part_ml[(part * HEADS + sr) * 2] = m_run;
+    p.part_ml[(part * HEADS + sr) * 2 + 1] = l_run;
+  }
+  float* po = p.part_o + part * HEADS * DIM;
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      const int h = 16 * mt + g, d = 64 * warp + 8 * n + 2 * t;
+      *reinterpret_cast<float2*>(po + h * DIM + d) = make_float2(acc[mt][n][0], acc[mt][n][1]);
+      *reinterpret_cast<float2*>(po + (h + 8) * DIM + d) = make_float2(acc[mt][n][2], acc[mt][n][3]);
+    }
+}
+
+// out[row, h] = sum_s w_s O_s / (sum_s w_s l_s + exp(sink[h] - M)), w_s = exp(m_s - M), M = max_s m_s;
+// the splits in order. grid (64 heads, rows), 128 threads x 4 dims.
+extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine(const __grid_constant__ AttnParams p) {
+  const int h = blockIdx.x, row = blockIdx.y, d = 4 * threadIdx.x;
+  const float* ml = p.part_ml + (i64)row * p.splits * HEADS * 2;
+  float mx = NEG_INF;
+  for (int s = 0; s < p.splits; ++s) mx = fmaxf(mx, ml[(s * HEADS + h) * 2]);
+  const float ref = mx == NEG_INF ? 0.0f : mx;
+  float l = 0.0f;
+  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int s = 0; s < p.splits; ++s) {
+    const float w = expf(ml[(s * HEADS + h) * 2] - ref);
+    l += ml[(s * HEADS + h) * 2 + 1] * w;
+    const float4 v = *reinterpret_cast<const float4*>(p.part_o + (((i64)row * p.splits + s) * HEADS + h) * DIM + d);
+    o.x += v.x * w;
+    o.y += v.y * w;
+    o.z += v.z * w;
+    o.w += v.w * w;
+  }
+  l += expf(p.sink[h] - ref);
+  *reinterpret_cast<uint2*>(p.out + ((i64)row * HEADS + h) * DIM + d) = make_uint2(bf16x2(o.x / l, o.y / l), bf16x2(o.z / l, o.w / l));
+}

@@ -1,0 +1,119 @@
+"""Decode attention against the reference: the 584-byte FP8 KV entries against the reference's KV
+fake-quant, the sparse MQA kernel against layers.sink_attention (reference numerics) over the
+keys those entries hold, and the RoPE kernel against layers.Rope.apply. V4-Flash shapes: 64
+heads of 512 (448 nope + 64 rope), one KV head, attention sinks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_checks import compare
+
+from dsuf.gpu.attention import (
+    KV_ENTRY_BYTES,
+    choose_splits,
+    new_pool,
+    pack_kv,
+    sparse_attention,
+    unpack_kv,
+)
+from dsuf.gpu.rope import rope_
+from dsuf.model import quant
+from dsuf.model.layers import Numerics, Rope, sink_attention
+
+HEADS, DIM, ROPE = 64, 512, 64
+SCALE = DIM**-0.5
+
+
+def random_kv(rows: int, device) -> torch.Tensor:
+    """bf16 [rows, 512] like kv_norm outputs after RoPE: per-64-block magnitudes over a few
+    octaves (so the FP8 scales differ) and a few near-zero blocks (the 1e-4 amax floor)."""
+    block = torch.exp2(torch.randint(-4, 3, (rows, DIM // 64), device=device).float())
+    block[torch.rand(rows, DIM // 64, device=device) < 0.02] = 1e-6
+    return (torch.randn(rows, DIM, device=device) * block.repeat_interleave(64, 1)).to(torch.bfloat16)
+
+
+def reference_kv(kv: torch.Tensor) -> torch.Tensor:
+    """The reference's KV-cache fake-quant (v4._fp8_kv): FP8 blocks of 64 on the nope dims."""
+    return torch.cat((quant.act_quant_fp8(kv[:, :-ROPE], 64), kv[:, -ROPE:]), dim=-1)
+
+
+def test_pack_kv_matches_the_reference_fake_quant(cuda):
+    rows, entries = 300, 1000
+    kv = random_kv(rows, cuda)
+    pool = torch.randint(0, 256, (entries, KV_ENTRY_BYTES), dtype=torch.uint8, device=cuda)  # poison
+    before = pool.clone()
+    slots = torch.randperm(entries, device=cuda)[:rows].int()
+    slots[7] = -1  # skipped
+    pack_kv(kv, pool, slots)
+    written = slots >= 0
+    assert torch.equal(unpack_kv(pool[slots[written].long()]), reference_kv(kv[written]))
+    assert bool((pool[slots[written].long(), -1] == 0).all()), "pad byte"
+    untouched = torch.ones(entries, dtype=torch.bool, device=cuda)
+    untouched[slots[written].long()] = False
+    assert torch.equal(pool[untouched], before[untouched])
+    # Scales are UE8M0 exponents of DeepSeek's act_quant: amax / scale in (224, 448].
+    codes = pool[slots[written].long(), 576:583].int()
+    amax = kv[written, :448].float().abs().unflatten(-1, (7, 64)).amax(-1).clamp_min(1e-4)
+    ratio = amax / torch.exp2((codes - 127).float())
+    assert bool(((ratio > 224) & (ratio <= 448)).all())
+
+
+def reference_attention(q, pool, idx, sink):
+    """layers.sink_attention per row over the keys its indices name (bf16, reference numerics)."""
+    outs = []
+    for r in range(q.shape[0]):
+        keys = unpack_kv(pool[idx[r].clamp_min(0).long()])
+        mask = (idx[r] >= 0)[None, :]
+        outs.append(sink_attention(q[r : r + 1], keys, mask, sink, SCALE, Numerics()))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(
+    "rows, window, compressed, missing",
+    [
+        (1, 128, 512, 0.0),  # CSA layer, batch 1: window + top-512
+        (8, 128, 512, 0.05),  # batch 8, some slots empty (-1)
+        (3, 128, 16, 0.0),  # HCA at 2k context: fewer entries than one split's share
+        (1, 128, 8192, 0.0),  # HCA at 1M context: window + every compressed entry
+        (8, 128, 2048, 0.1),
+    ],
+)
+def test_sparse_attention(cuda, rows, window, compressed, missing):
+    n = window + compressed
+    entries = rows * n + 64
+    pool = new_pool(entries, cuda)
+    pack_kv(random_kv(entries, cuda), pool)
+    idx = torch.randint(0, entries, (rows, n), device=cuda, dtype=torch.int32)
+    idx[torch.rand(rows, n, device=cuda) < missing] = -1
+    idx[:, 0] = torch.randint(0, entries, (rows,), device=cuda, dtype=torch.int32)  # ≥ 1 key a row
+    # Queries like the per-head-normalised, RoPE'd q; some heads sharper than others.
+    q = (torch.randn(rows, HEADS, DIM, device=cuda) * torch.exp(torch.randn(1, HEADS, 1, device=cuda))).to(torch.bfloat16)
+    sink = torch.randn(HEADS, device=cuda) * 2
+    out = torch.full((rows, HEADS, DIM), float("nan"), dtype=torch.bfloat16, device=cuda)  # poison
+    sparse_attention(q, pool, idx, sink, SCALE, out=out)
+    splits, per_split = choose_splits(n, rows, torch.cuda.get_device_properties(cuda).multi_processor_count)
+    rel, worst = compare(
+        f"sparse attention {rows} rows x {n} entries ({splits} splits of {per_split}, {missing:.0%} missing)",
+        out,
+        reference_attention(q, pool, idx, sink),
+    )
+    # Probabilities are rounded to bf16 against each tile's running max, not the global one (as
+    # the reference's own kernel does): about a quarter ulp per term on top of the output rounding.
+    assert rel < 4e-3
+    assert worst <= 2.0
+    assert torch.equal(sparse_attention(q, pool, idx, sink, SCALE), out), "not deterministic"
+
+
+@pytest.mark.parametrize("heads, dim, inverse", [(64, 512, False), (1, 512, False), (64, 128, False), (64, 512, True)])
+def test_rope(cuda, heads, dim, inverse):
+    rows = 8
+    rope = Rope(64, 160000.0, (16.0, 65536, 32.0, 1.0))  # V4-Flash compressed layers: YaRN
+    rope.freqs = rope.freqs.to(cuda)
+    positions = torch.randint(0, 1 << 20, (rows,), device=cuda)
+    cos, sin = rope.cos_sin(positions)
+    x = (torch.randn(rows, heads, dim, device=cuda) * 3).to(torch.bfloat16)
+    ref = rope.apply(x, (cos, sin), inverse=inverse)
+    got = rope_(x.clone(), cos, sin, inverse=inverse)
+    compare(f"rope {'inverse ' if inverse else ''}[{rows}, {heads}, {dim}]", got, ref)
+    assert torch.equal(got, ref)

@@ -1,0 +1,107 @@
+"""The lightning indexer at decode against the reference: index scores against the reference's
+scoring (layers.IndexScorer.scores after its query projection: FP4 queries and keys, float64 dots
+rounded to float32 then bf16, ReLU, float32 head weights, float64 head sum rounded to bf16), the
+top-k against the reference's select_topk (stable descending sort: ties to the lower index), and
+the 68-byte key entries against the FP4 fake-quant they hold. V4-Flash: 64 index heads of 128."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsuf.gpu.indexer import (
+    fp4_quantize,
+    index_scores,
+    pack_index_keys,
+    topk_indices,
+    unpack_index_keys,
+)
+from dsuf.model import quant
+from dsuf.model.v4 import select_topk
+
+HEADS, DIM, TOPK = 64, 128, 512
+
+
+def fp4_values(shape, device) -> torch.Tensor:
+    """Random FP4 fake-quantised values (bf16) as the reference holds its indexer queries / keys,
+    with block magnitudes over several octaves."""
+    x = torch.randn(*shape, device=device) * torch.exp2(torch.randint(-6, 4, (*shape[:-1], shape[-1] // 32), device=device).float()).repeat_interleave(32, -1)
+    return quant.fp4_fake_quant_ue8m0(x.to(torch.bfloat16), 32)
+
+
+def reference_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """layers.IndexScorer.scores from its FP4 queries on: q [T, 64, 128], keys [n, 128], w [T, 64]."""
+    dots = torch.einsum("thd,nd->thn", q.double(), keys.double()).float().to(torch.bfloat16).float()
+    return (F.relu(dots) * w.unsqueeze(-1)).double().sum(dim=1).float().to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fp4_quantize_is_the_reference_fake_quant(device):
+    """fp4_quantize / pack_index_keys (graph-capturable) against quant.fp4_fake_quant_ue8m0, on raw
+    values (with exact e2m1 rounding ties and all-zero blocks) and on values already quantised."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    raw = torch.randn(500, DIM, device=device) * torch.exp2(torch.randint(-8, 8, (500, 4), device=device).float()).repeat_interleave(32, -1)
+    raw[0, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4) * torch.tensor([1.0, -1.0]).repeat(16)
+    raw[1, 32:64] = 0
+    raw = raw.to(torch.bfloat16)
+    ref = quant.fp4_fake_quant_ue8m0(raw, 32).float()
+    for x in (raw, ref):
+        q8, qs = fp4_quantize(x)
+        assert torch.equal((q8.float().unflatten(-1, (4, 32)) * qs.unsqueeze(-1)).flatten(-2), ref)
+        packed = pack_index_keys(x)
+        assert packed.shape == (500, 68) and packed.dtype == torch.uint8
+        assert torch.equal(unpack_index_keys(packed), ref)
+    codes = quant.e2m1_encode(fp4_quantize(raw)[0].float())
+    assert torch.equal(quant.unpack_fp4(pack_index_keys(raw)[:, :64]), codes), "nibble layout"
+
+
+@pytest.mark.parametrize("n_keys", [[1000], [4096, 4000, 1, 3000, 4096, 17, 2048, 4095], [16384], [262144]])
+def test_index_scores(cuda, n_keys):
+    rows, max_keys = len(n_keys), max(n_keys)
+    q = fp4_values((rows, HEADS, DIM), cuda)
+    # weights_proj(x) in bf16 times (128 * 64) ** -0.5 in float32, as the reference forms them.
+    w = (torch.randn(rows, HEADS, device=cuda) * 4).to(torch.bfloat16).float() * (DIM**-0.5 * HEADS**-0.5)
+    starts, pool = [], []
+    for n in n_keys:  # each row's keys in its own stretch of one pool, after some padding
+        starts.append(sum(k.shape[0] for k in pool) + 5)
+        pool += [pack_index_keys(fp4_values((5, DIM), cuda)), pack_index_keys(fp4_values((n, DIM), cuda))]
+    pool = torch.cat(pool)
+    key_start = torch.tensor(starts, dtype=torch.int32, device=cuda)
+    n_dev = torch.tensor(n_keys, dtype=torch.int32, device=cuda)
+    q8, qs = fp4_quantize(q)
+    got = index_scores(q8, qs, w, pool, key_start, n_dev, max_keys)
+    worst_rel, unequal = 0.0, 0
+    for r, n in enumerate(n_keys):
+        keys = unpack_index_keys(pool[starts[r] : starts[r] + n])
+        ref = reference_scores(q[r : r + 1], keys, w[r : r + 1])[0]
+        diff = (got[r, :n] - ref).abs()
+        unequal += int((diff > 0).sum())
+        worst_rel = max(worst_rel, float((diff / ref.abs().clamp_min(1e-30)).max()))
+        assert bool((got[r, n:] == float("-inf")).all())
+    print(f"\n  index scores {n_keys[:4]}{'…' if rows > 4 else ''}: {unequal} of {sum(n_keys)} differ from the reference, worst by {worst_rel:.1e} relative")
+    # Bit-exact but where float64 sums in another order land on the other side of a rounding.
+    assert unequal <= max(2, sum(n_keys) // 10000)
+    assert worst_rel <= 2**-7  # one bf16 ulp
+
+
+@pytest.mark.parametrize("n_keys", [[100], [4096], [16384, 300, 16000], [60000], [262144, 1000]])
+@pytest.mark.parametrize("ties", [False, True])
+def test_topk(cuda, n_keys, ties):
+    rows, stride = len(n_keys), max(n_keys)
+    scores = torch.randn(rows, stride, device=cuda).to(torch.bfloat16).float()
+    if ties:  # ReLU'd and bf16-rounded scores repeat a lot: few distinct values, many zeros
+        scores = (scores * 4).round().clamp_min(0) / 4
+    for r, n in enumerate(n_keys):
+        scores[r, n:] = float("nan")  # past a row's count: never read
+    n_dev = torch.tensor(n_keys, dtype=torch.int32, device=cuda)
+    offset = torch.randint(0, 1000, (rows,), dtype=torch.int32, device=cuda)
+    out = torch.full((rows, 128 + TOPK + 3), -7, dtype=torch.int32, device=cuda)
+    topk_indices(scores, n_dev, TOPK, out=out, out_col=128, offset=offset)
+    for r, n in enumerate(n_keys):
+        k = min(TOPK, n)
+        ref = select_topk(scores[r : r + 1, :n], k)[0].sort().values.int() + offset[r]
+        assert torch.equal(out[r, 128 : 128 + k], ref), f"row {r}: picks differ"
+        assert bool((out[r, 128 + k : 128 + TOPK] == -1).all())
+    assert bool((out[:, :128] == -7).all()) and bool((out[:, 128 + TOPK :] == -7).all()), "wrote outside its columns"
