@@ -80,3 +80,64 @@ def hf_model(tiny_dir):
         return cache[name]
 
     return get
+
+
+# Tiny V4.1 checkpoints. "default" is make-tiny's own structure (ratios [0, 2, 2, 1, 1, 1]:
+# SWA, Full, Reuse, Full (candidate source), Reindex, Reuse; window 8, top-k 4, candidate
+# blocks of 4 entries, top 3 blocks; Engram at layers 1 and 3). "variant" moves every knob that
+# has a boundary: 7 layers [0, 2, 2, 2, 1, 1, 1] with sources [1, 4] and reindex layer 6, an odd
+# window (5), top-k 3, candidate blocks of 2 entries, three experts per token, Engram at layer 0
+# (before the first block) and 4 with trigrams and three heads. "seed2" is the default structure
+# with other weights.
+V41_VARIANTS = {
+    "default": (1, SMALL_VOCAB),
+    "seed2": (2, SMALL_VOCAB),
+    "variant": (
+        7,
+        SMALL_VOCAB
+        | {
+            "num_hidden_layers": 7,
+            "compress_ratios": [0, 2, 2, 2, 1, 1, 1, 0, 0, 0],
+            "kv_source_layer_ids": [1, 4],
+            "index_source_layer_ids": [1, 4, 6],
+            "candidate_source_layer_id": 4,
+            "candidate_block_size": 2,
+            "candidate_topk_blocks": 3,
+            "sliding_window": 5,
+            "index_topk": 3,
+            "num_experts_per_tok": 3,
+            "engram_layer_ids": [0, 4],
+            "engram_max_ngram_size": 3,
+            "engram_n_heads": 3,
+            "engram_vocab_size": 100,
+            "dspark_target_layer_ids": [4, 5, 6],
+        },
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_v41(tmp_path_factory: pytest.TempPathFactory):
+    """make(name) -> path of a tiny V4.1 checkpoint (with its tokenizer.json), cached for the session."""
+    root = tmp_path_factory.mktemp("tiny-v41")
+    made: dict[str, Path] = {}
+
+    def make(name: str = "default") -> Path:
+        if name not in made:
+            seed, overrides = V41_VARIANTS[name]
+            make_tiny(root / name, family="v41", seed=seed, overrides=overrides)
+            made[name] = root / name
+        return made[name]
+
+    return make
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread; two threads contend on a shared CI machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
