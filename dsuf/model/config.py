@@ -651,8 +651,9 @@ _V41_REF_TO_HF = {
 
 
 def v41_inference_config(raw: dict) -> dict:
-    """The reference's flat `inference/config.json` for a (valid) nested V4.1 config dict."""
-    flat = {ref: _lookup(raw, hf) for ref, hf in _V41_REF_TO_HF.items() if ref != "dtype" and _has(raw, hf)}
+    """The reference's flat `inference/config.json` for a (valid) nested V4.1 config dict (it names
+    the storage dtype but not the scale format)."""
+    flat = {ref: _lookup(raw, hf) for ref, hf in _V41_REF_TO_HF.items() if ref not in ("dtype", "scale_fmt") and _has(raw, hf)}
     return flat | {"dtype": "fp8"}
 
 
