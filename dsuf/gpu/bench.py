@@ -16,7 +16,8 @@ What it measures:
   scored; the floor those bytes take at the device-to-device copy bandwidth measured in the same
   run, and measured / floor;
 - the same step on the reference path (dsuf.model's Block in reference numerics, torch ops on the
-  GPU, eager; routed experts dequantised when first used), and the fast path's output against it;
+  GPU, eager; routed experts dequantised when first used); the fast path's attention and MoE
+  outputs against the reference's on the same inputs (see `sublayer_errors`);
 - per stage: each stage of the step alone as a CUDA graph (so each includes one graph launch),
   marked by what runs it: our kernels, or torch where no kernel exists yet.
 """
@@ -405,7 +406,8 @@ class FastLayer:
             b[f"{L}.oa"] = torch.einsum("tgd,grd->tgr", b[f"{L}.o"].view(batch, c.o_groups, -1), self.wo_a).flatten(1)
 
         def wo_b_expand(b: dict) -> None:
-            b[f"{L}.xa"] = hc_expand(self.wo_b(b[f"{L}.oa"]), b[f"x{L}"], b[f"{L}.post"], b[f"{L}.comb"])
+            b[f"{L}.attn"] = self.wo_b(b[f"{L}.oa"])
+            b[f"{L}.xa"] = hc_expand(b[f"{L}.attn"], b[f"x{L}"], b[f"{L}.post"], b[f"{L}.comb"])
 
         def mhc_ffn_route(b: dict) -> None:
             b[f"{L}.pre2"], b[f"{L}.post2"], b[f"{L}.comb2"] = self.hc_ffn.coefficients(b[f"{L}.xa"])
@@ -413,8 +415,8 @@ class FastLayer:
             b[f"{L}.route"] = self.router(b[f"{L}.y2"], b["ids"])
 
         def moe_expand(b: dict) -> None:
-            m = self.moe(b[f"{L}.y2"], *b[f"{L}.route"])
-            b[f"x{L + 1}"] = hc_expand(m, b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
+            b[f"{L}.moe"] = self.moe(b[f"{L}.y2"], *b[f"{L}.route"])
+            b[f"x{L + 1}"] = hc_expand(b[f"{L}.moe"], b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
 
         kind = _kind(ratio)
         out = [
@@ -550,6 +552,34 @@ def reference_step(blocks: list, states: list[list], position: int, x: torch.Ten
     return x
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def sublayer_errors(blocks: list, c: ModelConfig, layers: list[int], caches: list[Caches], buf: dict, position: int) -> list[tuple[float, float, float]]:
+    """Per layer, on the fast path's own sublayer inputs: (rel err of its attention output against
+    the reference Attention's, how far the reference's attention output itself moves when 1% of
+    its input elements are one bf16 ulp off, rel err of its MoE output against the reference
+    MoE's). Chained layers are no use for this with random weights: the reference alone turns a
+    one-ulp input change into a different routed expert or different top-k picks."""
+    from dsuf.model import v4
+
+    def attention(block, layer: int, st: Caches, y: torch.Tensor) -> torch.Tensor:
+        states = reference_states(c, c.compress_ratios[layer], st)
+        return block.attn(y, [v4.Segment(slice(b, b + 1), position, s) for b, s in enumerate(states)], NUM)
+
+    out = []
+    with torch.device(buf["ids"].device):
+        for block, layer, st in zip(blocks, layers, caches):
+            y = buf[f"{layer}.y"]
+            ref = attention(block, layer, st, y)
+            nudged = y.clone().view(-1)
+            nudged[::100] = (nudged[::100].float() * (1 + 2**-7)).to(torch.bfloat16)
+            moe = block.ffn(buf[f"{layer}.y2"], buf["ids"], NUM)
+            out.append((_rel(buf[f"{layer}.attn"], ref), _rel(attention(block, layer, st, nudged.view_as(y)), ref), _rel(buf[f"{layer}.moe"], moe)))
+    return out
+
+
 # ---- timing ------------------------------------------------------------------------------------
 
 
@@ -607,7 +637,7 @@ class Result:
     nbytes: int
     floor_us: float
     ref_ms: float | None
-    rel_err: float | None
+    errors: list[tuple[float, float, float]] | None  # per layer, see sublayer_errors
     stage_us: dict[str, tuple[str, float]]
 
 
@@ -619,6 +649,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=20, help="graph replays timed (median)")
     p.add_argument("--no-reference", action="store_true", help="skip the reference path")
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage timing")
+    p.add_argument("--profile", action="store_true", help="also print the CUDA kernels of one eager step of the first configuration (torch.profiler)")
     p.add_argument("--config", help="a config.json to take the shapes from (default: V4-Flash's, built in)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -685,15 +716,17 @@ def bench_one(c: ModelConfig, layers: list[int], fast: list[FastLayer], blocks, 
     torch.cuda.synchronize()
     out = buf[f"x{layers[-1] + 1}"].clone()
     distinct = [int(buf[f"{i}.route"][1].unique().numel()) for i in layers]
+    if args.profile and (batch, ctx) == (args.batch[0], args.context[0]):
+        print_profile(stages, buf, batch, ctx)
 
-    rel_err = ref_ms = None
+    errors = ref_ms = None
     if blocks is not None:
 
         def fresh_states() -> list[list]:
             return [reference_states(c, c.compress_ratios[i], st) for i, st in zip(layers, caches)]
 
-        ref = reference_step(blocks, fresh_states(), position, x0, ids)  # also dequantises the experts used
-        rel_err = float((out.double() - ref.double()).norm() / ref.double().norm())
+        errors = sublayer_errors(blocks, c, layers, caches, buf, position)
+        reference_step(blocks, fresh_states(), position, x0, ids)  # warm-up: dequantises the experts it routes to
         times = []
         for _ in range(3):
             states = fresh_states()
@@ -716,11 +749,27 @@ def bench_one(c: ModelConfig, layers: list[int], fast: list[FastLayer], blocks, 
         print(f"  note: batch {batch} context {ctx}: the graph's output differs from the eager step's", flush=True)
     del graph
     nbytes = sum(step_bytes(c, i, batch, st.n_comp, n) for i, st, n in zip(layers, caches, distinct))
-    result = Result(batch, ctx, step_us, nbytes, nbytes / bw * 1e6, ref_ms, rel_err, stage_us)
-    ref_text = f", reference {ref_ms:.1f} ms, rel err {rel_err:.1e}" if ref_ms is not None else ""
+    result = Result(batch, ctx, step_us, nbytes, nbytes / bw * 1e6, ref_ms, errors, stage_us)
+    ref_text = f", reference {ref_ms:.1f} ms, {_errors_text(layers, errors)}" if ref_ms is not None else ""
     print(f"  batch {batch}, context {ctx}: {step_us:.1f} µs a step ({nbytes / 1e6:.0f} MB, floor {result.floor_us:.1f} µs){ref_text}; "
           f"distinct experts {distinct}", flush=True)
     return result
+
+
+def print_profile(stages: list[Stage], buf: dict, batch: int, context: int) -> None:
+    """The CUDA kernels of one eager step, by total device time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for s in stages:
+            s.run(buf)
+        torch.cuda.synchronize()
+    print(f"\nCUDA kernels of one eager step, batch {batch}, context {context}:")
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=70), flush=True)
+
+
+def _errors_text(layers: list[int], errors: list[tuple[float, float, float]]) -> str:
+    return "; ".join(f"L{i} attn {a:.1e} (ref {n:.1e}), MoE {m:.1e}" for i, (a, n, m) in zip(layers, errors))
 
 
 def print_report(c: ModelConfig, layers: list[int], fast: list[FastLayer], results: list[Result], bw: float) -> None:
@@ -737,10 +786,14 @@ def print_report(c: ModelConfig, layers: list[int], fast: list[FastLayer], resul
             by = results[0].stage_us[name][0]
             print(f"| {name} | {by} | " + " | ".join(f"{r.stage_us[name][1]:.1f}" for r in results) + " |")
         print("(each stage alone as a CUDA graph: includes one graph launch, and small weights may stay in L2 between replays)")
-    print("\n| batch | context | step µs | µs / layer | MB read | floor µs | × floor | reference ms | speed-up | rel err vs reference |")
+    if results and results[0].errors is not None:
+        print("\nrel err vs reference: each sublayer's output against the reference's on the same input; (ref …) = how far the "
+              "reference's own attention output moves when 1% of its input elements are one bf16 ulp off (top-k picks and "
+              "FP8 roundings flip with random weights).")
+    print("\n| batch | context | step µs | µs / layer | MB read | floor µs | × floor | reference ms | speed-up | rel err vs reference, per sublayer |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        ref = f"{r.ref_ms:.1f} | {r.ref_ms * 1e3 / r.step_us:.0f}x | {r.rel_err:.1e}" if r.ref_ms is not None else "– | – | –"
+        ref = f"{r.ref_ms:.1f} | {r.ref_ms * 1e3 / r.step_us:.0f}x | {_errors_text(layers, r.errors)}" if r.ref_ms is not None else "– | – | –"
         print(f"| {r.batch} | {r.context} | {r.step_us:.1f} | {r.step_us / len(layers):.1f} | {r.nbytes / 1e6:.0f} | "
               f"{r.floor_us:.1f} | {r.step_us / r.floor_us:.1f} | {ref} |")
 
