@@ -257,7 +257,7 @@ def random_caches(c: ModelConfig, ratio: int, batch: int, context: int, device: 
         caches.comp_kv, caches.comp_score = _compressor_state(batch, ratio, c.head_dim, device)
     if ratio == 4:
         keys = torch.randn(batch * n, c.index_head_dim, device=device) * torch.exp2(torch.randint(-3, 3, (batch * n, 4), device=device).float()).repeat_interleave(32, 1)
-        caches.keys = pack_index_keys(keys)
+        caches.keys = pack_index_keys(keys.to(torch.bfloat16))
         caches.key_start = (torch.arange(batch, device=device, dtype=torch.int32) * n).int()
         caches.n_keys = torch.full((batch,), n, dtype=torch.int32, device=device)
         caches.key_row = caches.key_start.long() + n - 1
@@ -290,7 +290,7 @@ def _has_mm_out_dtype(device: torch.device) -> bool:
 
 class FastLayer:
     """One decode layer on the GPU path: the kernels of dsuf.gpu where they exist, torch for the
-    compressors' projections and pooling, the indexer query's Hadamard + FP4, and wo_a."""
+    compressors' projections and pooling, the indexer's Hadamard rotation, and wo_a."""
 
     def __init__(self, c: ModelConfig, layer: int, t: dict[str, torch.Tensor], device: torch.device) -> None:
         p, a, f = f"layers.{layer}", f"layers.{layer}.attn", f"layers.{layer}.ffn"
@@ -336,7 +336,7 @@ class FastLayer:
         if self.ratio:
             parts.insert(0, f"compressor projections ({'torch.mm bf16 -> fp32' if self.mm_out_dtype else 'fp32 matmul'}) and pooling")
         if self.ratio == 4:
-            parts.insert(1, "indexer: key Hadamard + FP4 + packing, query Hadamard + FP4")
+            parts.insert(1, "indexer: the Hadamard rotation of queries and keys")
         return parts
 
     def _project(self, y: torch.Tensor) -> list[torch.Tensor]:
@@ -354,7 +354,9 @@ class FastLayer:
         else:
             pool_kv = torch.cat((st_kv[:, : ratio - 1], kv[:, None]), dim=1)
             pool_score = torch.cat((st_score[:, : ratio - 1], score[:, None]), dim=1)
-        return (pool_kv.double() * pool_score.double().softmax(dim=1)).sum(dim=1).float().to(torch.bfloat16)
+        # The slots last: softmax over the innermost dim (torch's "spatial" softmax over dim 1 is slow).
+        kv64, score64 = pool_kv.double().transpose(1, 2), pool_score.double().transpose(1, 2)
+        return (kv64 * score64.softmax(dim=-1)).sum(dim=-1).float().to(torch.bfloat16)
 
     def stages(self, st: Caches, cos_sin: tuple[torch.Tensor, torch.Tensor], entry_cos_sin: tuple[torch.Tensor, torch.Tensor]) -> list[Stage]:
         """The decode step of this layer as stages over a buffer dict: reads f"x{layer}" (bf16
@@ -387,7 +389,7 @@ class FastLayer:
                 width = c.index_head_dim
                 key = rms_norm(self._pool(parts[2], parts[3] + self.idx_ape[3], st.idx_kv, st.idx_score, 4, width), self.idx_norm, c.norm_eps)
                 key = quant.hadamard_transform(rope_(key.view(batch, 1, width), *entry_cos_sin).view(batch, width))
-                st.keys.index_copy_(0, st.key_row, pack_index_keys(key))
+                pack_index_keys(key, st.keys, st.key_row)
                 b[f"{L}.weights"] = parts[4].to(torch.bfloat16).float() * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
 
         def index_query(b: dict) -> None:
@@ -427,7 +429,7 @@ class FastLayer:
             out.append(Stage(f"L{L} {kind} compressor{'s' if ratio == 4 else ''} (projections, pooling, entry write)", "torch + kernels", compress))
         if ratio == 4:
             out += [
-                Stage(f"L{L} indexer query (wq_b, RoPE; Hadamard + FP4 in torch)", "kernels + torch", index_query),
+                Stage(f"L{L} indexer query (wq_b, RoPE, FP4; Hadamard in torch)", "kernels + torch", index_query),
                 Stage(f"L{L} index scores + top-{c.index_topk}", "kernels", index_select),
             ]
         out += [

@@ -14,12 +14,11 @@ from __future__ import annotations
 import ctypes
 import math
 
-import numpy as np
 import torch
 
 from dsuf.model import quant
 
-from .runtime import get_kernel
+from .runtime import get_kernel, ptr
 
 INDEX_ENTRY_BYTES = 68
 INDEX_HEADS = 64
@@ -27,41 +26,41 @@ INDEX_DIM = 128
 FP4_BLOCK = 32
 TOPK_THREADS = 1024
 TOPK_SHARED_MAX = 192 << 10  # scores a top-k CTA stages in shared memory: up to 48k per row
-_FP4_MAX_INV = float(np.float32(1 / 6))
-_FP4_AMAX_FLOOR = 6 * 2.0**-126
 
 
-def _fp4_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e2m1 grid values float32 [..., 4, 32], scale exponents int32 [..., 4]) of x [..., 128]:
-    `quant.fp4_fake_quant_ue8m0(x, 32)` = grid * 2**exponent, computed without host copies or
-    synchronisation (so it can be captured in a CUDA graph). Applied to values that are already
-    fake-quantised it returns the same values (their scale, or half of it, both exact)."""
-    xb = x.float().unflatten(-1, (-1, FP4_BLOCK))
-    exponent = quant.ceil_log2_exact(xb.abs().amax(-1).clamp_min(_FP4_AMAX_FLOOR) * _FP4_MAX_INV)
-    a = (xb / ((exponent + 127) << 23).view(torch.float32).unsqueeze(-1)).clamp(-6.0, 6.0)
-    m = a.abs()
-    # e2m1 magnitude code, round-to-nearest-even: ties at 0.25, 1.25, 2.5, 5 go down, at 0.75,
-    # 1.75, 3.5 up (quant.e2m1_encode); code -> value 0, .5, 1, 1.5, 2, 3, 4, 6.
-    mag = (m > 0.25).int() + (m >= 0.75).int() + (m > 1.25).int() + (m >= 1.75).int() + (m > 2.5).int() + (m >= 3.5).int() + (m > 5.0).int()
-    value = torch.where(mag <= 4, 0.5 * mag, torch.where(mag == 7, 6.0, mag - 2.0))
-    return torch.where(a < 0, -value, value), exponent
+def _fp4_quant(x: torch.Tensor, q: torch.Tensor | None, q_scale: torch.Tensor | None, pool: torch.Tensor | None, dst: torch.Tensor | None) -> None:
+    """kernels_cu/indexer.cu fp4_quant_rows on the rows of x: values + scales and/or entries."""
+    rows = x.numel() // INDEX_DIM
+    if x.dtype != torch.bfloat16 or x.shape[-1] != INDEX_DIM:
+        raise ValueError(f"FP4 quantisation: need bf16 [..., {INDEX_DIM}], got {x.dtype} {tuple(x.shape)}")
+    if rows:
+        get_kernel("indexer", "fp4_quant_rows", x.device)(
+            (math.ceil(rows / 8), 1, 1), 256, [ptr(x.contiguous()), ctypes.c_int(rows), ptr(q), ptr(q_scale), ptr(pool), ptr(dst)]
+        )
 
 
 def fp4_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's FP4 fake-quant of x [..., 128] (ue8m0 scales per 32), split into its e2m1
-    values as float8_e4m3fn [..., 128] and float32 scales [..., 4]: values = e4m3 * scale."""
-    grid, exponent = _fp4_blocks(x)
-    return grid.flatten(-2).to(torch.float8_e4m3fn), ((exponent + 127) << 23).view(torch.float32)
+    """The reference's FP4 fake-quant (`quant.fp4_fake_quant_ue8m0`, ue8m0 scales per 32) of bf16
+    x [..., 128], as its e2m1 values in float8_e4m3fn [..., 128] and float32 scales [..., 4]:
+    fake-quant = e4m3 * scale exactly."""
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((*x.shape[:-1], INDEX_DIM // FP4_BLOCK), dtype=torch.float32, device=x.device)
+    _fp4_quant(x, q, scale, None, None)
+    return q, scale
 
 
-def pack_index_keys(keys: torch.Tensor) -> torch.Tensor:
-    """Keys [n, 128] -> 68-byte entries uint8 [n, 68] holding their FP4 fake-quant (lossless for
-    keys that are already fake-quantised)."""
-    grid, exponent = _fp4_blocks(keys)
-    m = grid.abs()
-    mag = torch.where(m <= 2.0, 2.0 * m, torch.where(m == 6.0, 7.0, m + 2.0)).to(torch.uint8)
-    codes = (mag | ((grid < 0).to(torch.uint8) << 3)).flatten(-2)
-    return torch.cat((quant.pack_fp4(codes).view(torch.uint8), (exponent + 127).to(torch.uint8)), dim=-1)
+def pack_index_keys(keys: torch.Tensor, pool: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 keys [n, 128] -> their FP4 fake-quant as 68-byte entries, written to pool[rows]
+    (int64 [n]) or, without a pool, to a new uint8 [n, 68]. Returns the pool."""
+    n = keys.shape[0]
+    if pool is None:
+        pool, rows = torch.empty((n, INDEX_ENTRY_BYTES), dtype=torch.uint8, device=keys.device), torch.arange(n, device=keys.device)
+    if pool.dtype != torch.uint8 or pool.shape[-1] != INDEX_ENTRY_BYTES or not pool.is_contiguous():
+        raise ValueError(f"pack_index_keys: the pool must be contiguous uint8 [entries, {INDEX_ENTRY_BYTES}]")
+    if rows is None or rows.dtype != torch.int64 or tuple(rows.shape) != (n,):
+        raise ValueError(f"pack_index_keys: rows must be int64 [{n}]")
+    _fp4_quant(keys, None, None, pool, rows)
+    return pool
 
 
 def unpack_index_keys(entries: torch.Tensor) -> torch.Tensor:
