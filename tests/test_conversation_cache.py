@@ -120,6 +120,19 @@ def test_a_streamed_turn_reports_the_reuse_in_its_usage(servers):
     assert usage["prompt_cache_miss_tokens"] == 1
 
 
+def test_metrics_count_the_snapshots_and_the_hits(servers):
+    cached, _ = servers
+    messages = [{"role": "user", "content": "Count me."}]
+    chat(cached, messages)
+    assert hit(chat(cached, messages)) > 0
+    status, _, raw = http("GET", cached.url + "/metrics")
+    text = raw.decode()
+    assert status == 200
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line.startswith("dsuf:kv_cache")}
+    assert values["dsuf:kv_cache_entries"] > 0 and values["dsuf:kv_cache_bytes"] > 0
+    assert values['dsuf:kv_cache_events{kind="local_hits"}'] > 0
+
+
 def test_a_bad_prompt_cache_key_is_a_400(servers):
     cached, _ = servers
     status, _, raw = http("POST", cached.url + "/v1/chat/completions",

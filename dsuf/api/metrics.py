@@ -22,6 +22,11 @@ class Metrics:
         self.step_roundtrip_seconds = Counter(
             "dsuf:step_roundtrip_seconds", "Front-end time from sending a step to handling its result", registry=r
         )
+        self.kv_bytes = Gauge("dsuf:kv_cache_bytes", "Host memory held by conversation-cache snapshots", registry=r)
+        self.kv_entries = Gauge("dsuf:kv_cache_entries", "Conversation-cache snapshots held", registry=r)
+        self.kv_events = Gauge(
+            "dsuf:kv_cache_events", "Conversation-cache lookups and transfers since start, by kind", ["kind"], registry=r
+        )
         self.itl = Histogram("dsuf:inter_token_latency_seconds", "Time between tokens of a stream", buckets=_LATENCY_BUCKETS, registry=r)
 
     def render(self) -> tuple[bytes, str]:

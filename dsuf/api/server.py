@@ -211,6 +211,12 @@ async def metrics_route(request: web.Request) -> web.Response:
     m, engine = request.app[METRICS], request.app[ENGINE]
     m.running.set(engine.running)
     m.waiting.set(engine.waiting)
+    cache = request.app[STATE].cache
+    if cache is not None:
+        m.kv_bytes.set(cache.store.bytes_used)
+        m.kv_entries.set(len(cache.store))
+        for kind, count in cache.stats.items():
+            m.kv_events.labels(kind).set(count)
     body, content_type = m.render()
     return web.Response(body=body, headers={"Content-Type": content_type})
 

@@ -139,6 +139,7 @@ class ConversationCache:
         if not candidates or self.fetcher is None:
             return None
         from .transport import TransferError
+
         order = sorted(candidates, reverse=True)
         try:
             records = await self.directory.lookup_many([candidates[n] for n in order])
