@@ -174,7 +174,7 @@ def test_the_history_makes_chunked_hashing_equal_one_shot(token_map, chunks):
 
 
 def test_a_compressed_vocabulary_of_another_size_is_refused(token_map):
-    lookup, size = token_map
+    lookup, _ = token_map
     with pytest.raises(ValueError, match="engram_compressed_vocab_size"):
         NgramHasher(tiny(), lookup[:1000], 1000)
 

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,7 +131,7 @@ def test_released_v41_snapshots_cost_890_bytes_per_token():
     path = "/work/shared/data/dsv41_flash_config.json"
     if not os.path.isfile(path):
         pytest.skip("official configs not in /work/shared/data")
-    c = parse_v41_config(json.loads(open(path).read()))
+    c = parse_v41_config(json.loads(Path(path).read_text()))
 
     def state_after(n: int) -> SequenceState:
         state = SequenceState.new(c, torch.bfloat16, packed=True)
@@ -216,7 +217,7 @@ def test_load_model_needs_the_tokenizer(tiny_v41, tmp_path):
 
 def dsuf(*args: str) -> subprocess.CompletedProcess:
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "dsuf", *args], capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run([sys.executable, "-m", "dsuf", *args], capture_output=True, text=True, timeout=600, env=env, check=False)
     assert proc.returncode == 0, proc.stderr
     return proc
 

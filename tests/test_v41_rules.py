@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dsuf.model.v41 as v41
-from dsuf.model import load_model, quant
+from dsuf.model import load_model, quant, v41
 from dsuf.model.engram import DEAD, Engram
 from dsuf.model.layers import HyperConnection, IndexScorer, Numerics, Segment, load_rows, rms_norm
 from dsuf.model.state import V41_COMPRESSED_KV, V41_INDEX_KEYS, V41_WINDOW_KV, CompressorState

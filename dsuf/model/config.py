@@ -379,10 +379,10 @@ def _shared_fields(raw: dict) -> dict[str, Any]:
 
 
 def _special_tokens(raw: dict) -> dict[str, int]:
-    return dict(
-        bos_token_id=_int(raw, "bos_token_id", minimum=0) if "bos_token_id" in raw else 0,
-        eos_token_id=_int(raw, "eos_token_id", minimum=0) if "eos_token_id" in raw else 1,
-    )
+    return {
+        "bos_token_id": _int(raw, "bos_token_id", minimum=0) if "bos_token_id" in raw else 0,
+        "eos_token_id": _int(raw, "eos_token_id", minimum=0) if "eos_token_id" in raw else 1,
+    }
 
 
 def _quant(raw: dict, expert_dtype_default: Any) -> QuantConfig | None:
@@ -419,10 +419,10 @@ def _dspark(raw: dict, n_layers: int, keys: tuple[str, ...]) -> DSparkConfig | N
         _fail("dspark_target_layer_ids", f"must list backbone layers in [0, {n_layers}), got {targets!r}")
     experts = {}
     if "dspark_n_routed_experts" in keys:
-        experts = dict(
-            n_routed_experts=_int(raw, "dspark_n_routed_experts"),
-            n_activated_experts=_int(raw, "dspark_num_experts_per_tok"),
-        )
+        experts = {
+            "n_routed_experts": _int(raw, "dspark_n_routed_experts"),
+            "n_activated_experts": _int(raw, "dspark_num_experts_per_tok"),
+        }
         if experts["n_activated_experts"] > experts["n_routed_experts"]:
             _fail("dspark_num_experts_per_tok", f"exceeds dspark_n_routed_experts={experts['n_routed_experts']}")
     return DSparkConfig(
@@ -594,9 +594,8 @@ def _check_shapes(c: ModelConfig) -> None:
         _fail("hidden_size", f"must be divisible by hc_mult={c.hc_mult}")
     if c.n_heads * c.head_dim % c.o_groups:
         _fail("o_groups", "must divide num_attention_heads * head_dim")
-    if c.family == "v41":
-        if c.head_dim % V41_KV_BLOCK or c.index_head_dim % V41_KV_BLOCK:
-            _fail("head_dim", f"head_dim and index_head_dim must be multiples of {V41_KV_BLOCK}, the KV cache's FP8/FP4 block")
+    if c.family == "v41" and (c.head_dim % V41_KV_BLOCK or c.index_head_dim % V41_KV_BLOCK):
+        _fail("head_dim", f"head_dim and index_head_dim must be multiples of {V41_KV_BLOCK}, the KV cache's FP8/FP4 block")
     if c.quant is not None:
         block = c.quant.weight_block
         if c.family == "v4" and c.nope_head_dim % 64:

@@ -1,8 +1,10 @@
-"""Quantisation codecs for DeepSeek-V4-Flash checkpoints and activations.
+"""Quantisation codecs for DeepSeek-V4-Flash and V4.1-Flash checkpoints, activations and caches.
 
 The checkpoint stores expert weights as packed FP4 (e2m1) with per-32 E8M0
 scales and the remaining linear weights as FP8 (e4m3fn) with per-block E8M0
-scales; activations are fake-quantised the way DeepSeek's kernels do.  Every
+scales (V4.1's Engram tables: one E8M0 scale per row and 32 values);
+activations are fake-quantised the way DeepSeek's kernels do, and V4.1's KV
+cache rows can be held packed in their FP8/FP4 formats (`PackedRows`).  Every
 function here is a plain tensor-to-tensor transform, vectorised, and exact
 where the hardware format is exact, so that the reference forward pass and
 the fast kernels can be checked against each other bit for bit.
