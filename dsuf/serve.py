@@ -24,6 +24,9 @@ log = logging.getLogger("dsuf.serve")
 EMBEDDED_NAME = "dsuf-tiny-v4"
 EMBEDDED_SEED = 0
 EMBEDDED_MAX_MODEL_LEN = 1024  # a random model rarely says EOS: keep its answers short
+# The tokens that end a part of a turn (where conversation snapshots are taken); the first one
+# opens the answer.
+TURN_TOKENS = ("<｜Assistant｜>", "<think>", "</think>", "<｜end▁of▁sentence｜>")
 
 
 def cache_dir() -> Path:
@@ -92,18 +95,25 @@ async def serve(args: argparse.Namespace) -> int:
     from dsuf.api.server import ServerState, create_app
     from dsuf.engine.engine import Engine, EngineConfig
     from dsuf.model.checkpoint import checkpoint_revision
-    from dsuf.model.config import load_config
+    from dsuf.model.config import load_any_config
 
     if args.gpus:
         raise SystemExit("dsuf: the GPU path is not built yet; serve with --device cpu")
     if args.device != "cpu":
         raise SystemExit(f"dsuf: unknown --device {args.device!r}; use cpu")
     ckpt = Path(args.ckpt) if args.ckpt else embedded_checkpoint()
-    config = load_config(ckpt)
-    tokenizer = Path(args.tokenizer) if args.tokenizer else (ckpt / "tokenizer.json" if (ckpt / "tokenizer.json").is_file() else default_tokenizer())
+    config = load_any_config(ckpt)
+    tokenizer = Path(args.tokenizer) if args.tokenizer else ckpt / "tokenizer.json"
+    if not tokenizer.is_file():
+        if config.family != "v4":  # V4.1 adds special tokens the public V4 tokenizer lacks
+            raise SystemExit(f"dsuf: {ckpt} has no tokenizer.json; a {config.family} checkpoint needs its own (or --tokenizer)")
+        tokenizer = default_tokenizer()
     max_len = args.max_model_len or (EMBEDDED_MAX_MODEL_LEN if not args.ckpt else config.max_seq_len)
     log.info("kernels: none to build on the CPU reference path")
-    chat = ChatFrontend(tokenizer, served_name=args.served_name or config.name, context_limit=max_len, family="v4", test_hooks=args.test_hooks)
+    chat = ChatFrontend(tokenizer, served_name=args.served_name or config.name, context_limit=max_len, family=config.family, test_hooks=args.test_hooks)
+    highest = max(chat.token_id(t) for t in TURN_TOKENS)
+    if highest >= config.vocab_size:  # every request would fail in the worker
+        raise SystemExit(f"dsuf: the tokenizer {tokenizer} has ids up to {highest}, beyond the checkpoint's vocabulary of {config.vocab_size}")
     cache = conversation_cache(args, chat, config.name, checkpoint_revision(ckpt))
     arena = cache.store.arena if cache else None
     engine = Engine(EngineConfig(
@@ -117,7 +127,7 @@ async def serve(args: argparse.Namespace) -> int:
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
-    log.info("listening on http://%s:%d (model %s, context %d)", args.host, args.port, config.name, max_len)
+    log.info("listening on http://%s:%d (model %s, family %s, context %d)", args.host, args.port, config.name, config.family, max_len)
     await engine.start()
     fleet = await join_fleet(args, cache)
 
@@ -163,10 +173,9 @@ def conversation_cache(args: argparse.Namespace, chat, model_id: str, revision: 
     if size > room:  # writing past a full /dev/shm would kill the server with SIGBUS later
         log.warning("conversation caches: --kv-host-bytes %d exceeds the %d bytes free in /dev/shm; using %d", size, room, room // 2)
         size = room // 2
-    ends = ["<｜Assistant｜>", "<think>", "</think>", "<｜end▁of▁sentence｜>"]
     cache = ConversationCache(
         HostStore(size, Arena.shared(size)), model_id=model_id, revision=revision,
-        assistant_id=chat.token_id(ends[0]), boundary_ids={chat.token_id(t) for t in ends},
+        assistant_id=chat.token_id(TURN_TOKENS[0]), boundary_ids={chat.token_id(t) for t in TURN_TOKENS},
     )
     log.info("conversation caches: %.1f GiB of host memory, revision %s", size / 2**30, revision)
     return cache

@@ -48,7 +48,8 @@ def servers(cache_home, tmp_path_factory):
 
 def chat(server: Server, messages: list[dict], *, thinking: bool = False, forced: list[int] | None = None,
          headers: dict | None = None, **extra) -> dict:
-    body = {"model": "deepseek-v4-flash", "messages": messages, "max_tokens": 8, "temperature": 0,
+    # thinking mode samples at temperature 1 whatever the request says: the seed makes it repeatable
+    body = {"model": "deepseek-v4-flash", "messages": messages, "max_tokens": 8, "temperature": 0, "seed": 1234,
             "thinking": {"type": "enabled" if thinking else "disabled"}, "logprobs": True, **extra}
     if forced is not None:
         body["dsuf_forced_tokens"] = forced
@@ -58,10 +59,13 @@ def chat(server: Server, messages: list[dict], *, thinking: bool = False, forced
 
 
 def answer(resp: dict) -> tuple:
-    """What must not change when a prompt comes from the cache: the text and every token's logprob."""
+    """What must not change when a prompt comes from the cache: the reasoning, the text and every
+    token's logprob (where the API reports them: not in thinking mode)."""
     choice = resp["choices"][0]
     tokens = [(t["token"], round(t["logprob"], 4)) for t in (choice.get("logprobs") or {}).get("content") or []]
-    return choice["message"].get("content"), choice["finish_reason"], tokens
+    message = choice["message"]
+    assert message.get("content") or message.get("reasoning_content"), "an empty answer proves nothing"
+    return message.get("reasoning_content"), message.get("content"), choice["finish_reason"], tokens
 
 
 def hit(resp: dict) -> int:
