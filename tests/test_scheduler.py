@@ -115,3 +115,95 @@ def test_fail_all_ends_every_request_with_503():
         (e,) = events(r)
         assert isinstance(e, ErrorEvent) and e.status == 503
     assert not s.running and not s.waiting
+
+
+# ---- conversation caches ------------------------------------------------------------------------
+
+
+def cached_request(prompt_len: int = 10, max_tokens: int = 10) -> Request:
+    """A request as the conversation cache leaves it: snapshot points named, the prompt hashed."""
+    from dsuf.kvcache.snapshot import PrefixHasher
+
+    req = request(prompt_len, max_tokens)
+    req.hasher = PrefixHasher("m")
+    keys = req.hasher.keys_at(req.prompt, [prompt_len - 1, prompt_len])
+    req.snapshots = {n: keys[n] for n in keys}
+    return req
+
+
+def test_prefill_chunks_end_at_the_snapshot_points_and_name_them():
+    s = Scheduler(max_batch=4, max_waiting=4, prefill_budget=100, eos_token_id=EOS)
+    req = cached_request(10)
+    s.add(req)
+    step = s.plan()
+    (work,) = step.work
+    assert len(work.tokens) == 9 and work.snapshot == req.snapshots[9] and not work.sample
+    s.on_done(answer(step, {}))
+    (work,) = s.plan().work
+    assert work.tokens == req.prompt[9:] and work.snapshot == req.snapshots[10] and work.sample
+    assert work.params is None  # only the first work carries the sampling parameters
+
+
+def test_a_cached_prefix_is_restored_with_the_first_work_and_only_the_rest_is_prefilled():
+    from contextlib import ExitStack
+
+    from dsuf.ipc.messages import Restore
+
+    s = Scheduler(max_batch=4, max_waiting=4, prefill_budget=100, eos_token_id=EOS)
+    req = request(12)
+    pin = ExitStack()
+    released = []
+    pin.callback(lambda: released.append(True))
+    req.use_cached(7, Restore(offset=0, size=100, key="k", tokens=7), pin)
+    s.add(req)
+    step = s.plan()
+    (work,) = step.work
+    assert work.tokens == req.prompt[7:] and work.restore.tokens == 7 and work.params is not None
+    assert not released  # the snapshot stays pinned until the worker has read it
+    s.on_done(answer(step, {}))
+    assert released == [True]
+
+
+def test_a_refused_snapshot_means_prefilling_the_whole_prompt():
+    from contextlib import ExitStack
+
+    from dsuf.ipc.messages import Restore
+
+    s = Scheduler(max_batch=4, max_waiting=4, prefill_budget=100, eos_token_id=EOS)
+    req = request(12)
+    req.use_cached(7, Restore(offset=0, size=100, key="k", tokens=7), ExitStack())
+    s.add(req)
+    step = s.plan()
+    s.on_done(StepDone(step.step, [SeqOutput(req.id, error="cached prefix refused", cache_miss=True)], 0.0))
+    assert events(req) == [] and req.cached == 0
+    (work,) = s.plan().work
+    assert work.tokens == req.prompt and work.restore is None and work.params is not None
+
+
+def test_a_finished_answer_feeds_its_eos_for_the_closing_snapshot_then_frees_the_slot():
+    from dsuf.kvcache.snapshot import chain_key
+
+    s = Scheduler(max_batch=4, max_waiting=4, prefill_budget=100, eos_token_id=EOS)
+    req = cached_request(4, max_tokens=10)
+    s.add(req)
+    for tokens in ({}, {req.id: 21}, {req.id: 22}, {req.id: EOS}):  # 2 prompt chunks sampling 21, then 22, EOS
+        step = s.plan()
+        s.on_done(answer(step, tokens))
+    assert [type(e) for e in events(req)][-1] is FinishEvent  # the client has its answer now
+    s.finish(req)  # ... and goes away: the state must live one more step
+    step = s.plan()
+    (work,) = step.work
+    assert work.tokens == [EOS] and not work.sample
+    assert work.snapshot == chain_key("m", req.prompt + [21, 22, EOS])  # what the next turn's prompt repeats
+    s.on_done(answer(step, {}))
+    assert req.id not in s.running and s.plan().release == [req.id]
+
+
+def test_an_answer_cut_by_length_feeds_its_last_token_and_eos():
+    s = Scheduler(max_batch=4, max_waiting=4, prefill_budget=100, eos_token_id=EOS)
+    req = cached_request(4, max_tokens=1)
+    s.add(req)
+    for _ in range(2):
+        s.on_done(answer(s.plan(), {req.id: 30}))
+    (work,) = s.plan().work
+    assert work.tokens == [30, EOS] and work.snapshot is not None
