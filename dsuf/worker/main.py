@@ -71,11 +71,15 @@ class Worker:
         for work, row in zip(runnable, logits):
             try:
                 choice = self.samplers[work.seq].sample(row[-1]) if work.sample else None
-                if work.snapshot is not None:
-                    made.append(self._snapshot(work.seq, work.snapshot))
                 outputs.append(SeqOutput(work.seq, choice=choice))
             except Exception as exc:
                 outputs.append(self._fail(work.seq, exc))
+                continue
+            if work.snapshot is not None:
+                try:
+                    made.append(self._snapshot(work.seq, work.snapshot))
+                except Exception:  # a snapshot is an optimisation: losing one never fails the request
+                    log.exception("sequence %d: snapshot not taken", work.seq)
         return StepDone(step.step, outputs, time.perf_counter() - began, made, written)
 
     # ---- snapshots (conversation caches) ---------------------------------------------------------
