@@ -233,7 +233,10 @@ async def join_fleet(args: argparse.Namespace, cache) -> Fleet:
         port = args.port + 1 if args.kv_port is None else args.kv_port
         arena = cache.store.arena.view
         transfer = KvTransferServer(cache.export, secret, args.host, port, arena=arena)
-        await transfer.start()
+        try:
+            await transfer.start()
+        except OSError as exc:
+            raise SystemExit(f"dsuf: cannot listen for cache transfers on {args.host}:{port} ({exc}); choose another --kv-port") from None
         fetcher = KvFetcher(secret, io_timeout=args.kv_fetch_timeout, arena=arena)
         bound_port = transfer.address.rpartition(":")[2]
         ctrl_addr = args.kv_advertise or f"{advertised_host(args.host)}:{bound_port}"
