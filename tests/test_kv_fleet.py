@@ -242,9 +242,17 @@ def test_two_servers_fetching_the_same_turn_at_once_leave_exactly_one_owner(flee
     for resp in asyncio.run(both()):
         assert answer(resp) == reference["turn2"]
         assert hit(resp) == len(key_tokens)  # both fetched (the data is the same); one claim won
-    # Whichever claimed first won; a loser of the same race keeps an unadvertised copy (the race
-    # itself, exactly one winner per epoch, is tested on the directory in test_ownership.py).
+    # Whichever claimed first won; a loser of the same race keeps an unadvertised copy. The
+    # announcement log shows every successful claim of the key: never two at one epoch.
     wait_until(lambda: owner_of(fleet.redis.url, key_tokens)["owner"] in ("B", "C"), what="a new owner")
+    import redis
+
+    client = redis.Redis.from_url(fleet.redis.url, decode_responses=True)
+    key = chain_key(MODEL_ID, key_tokens)
+    claims = [json.loads(fields["msg"]) for _, fields in client.xrange("kv:own:log")]
+    epochs = [c["epoch"] for c in claims if c["conv"] == key and c["event"] == "claim"]
+    client.close()
+    assert epochs == list(range(1, len(epochs) + 1)) and epochs[0] == 1 and len(epochs) in (2, 3)
 
 
 def test_redis_restarted_empty_mid_run_owners_reclaim_and_turns_go_on(fleet, reference):
