@@ -167,6 +167,9 @@ def conversation_cache(args: argparse.Namespace, chat, model_id: str, revision: 
     from dsuf.kvcache.cache import ConversationCache
     from dsuf.kvcache.store import HostStore
 
+    orphans = Arena.remove_orphans()
+    if orphans:
+        log.info("conversation caches: removed %d arenas left in /dev/shm by dead servers", len(orphans))
     size = args.kv_host_bytes
     shm = os.statvfs("/dev/shm")
     room = shm.f_bavail * shm.f_frsize

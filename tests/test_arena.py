@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -71,3 +72,12 @@ def test_another_process_reads_and_writes_the_shared_arena_by_name():
         arena.close()
     with pytest.raises(FileNotFoundError):
         Arena.attach(arena.name)  # the creator unlinked it
+
+
+def test_arenas_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name in (f"dsuf_arena_{dead.pid}_0a0b0c0d", f"dsuf_arena_{os.getpid()}_01020304", "dsuf_ring_x", "other"):
+        (tmp_path / name).write_bytes(b"x")
+    assert Arena.remove_orphans(str(tmp_path)) == [f"dsuf_arena_{dead.pid}_0a0b0c0d"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"dsuf_arena_{os.getpid()}_01020304", "dsuf_ring_x", "other"])

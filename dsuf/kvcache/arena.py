@@ -47,6 +47,31 @@ class Arena:
         shm = _Segment.create(size)
         return cls(shm.buf, size, align=align, shm=shm, owner=True)
 
+    @staticmethod
+    def remove_orphans(shm_dir: str = "/dev/shm") -> list[str]:
+        """Unlink the arenas of processes that died without unlinking theirs (SIGKILL, OOM):
+        each would otherwise pin its written pages of /dev/shm until reboot. An arena's name
+        carries its creator's pid; one whose pid is alive is left alone (servers sharing one
+        /dev/shm must share a PID namespace too, as they do on one host or in one pod)."""
+        removed = []
+        for entry in os.scandir(shm_dir):
+            parts = entry.name.split("_")
+            if len(parts) != 4 or parts[:2] != ["dsuf", "arena"] or not parts[2].isdigit():
+                continue
+            try:
+                os.kill(int(parts[2]), 0)
+                continue  # alive (or another user's process with that pid)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+            try:
+                os.unlink(entry.path)
+                removed.append(entry.name)
+            except OSError:
+                pass
+        return removed
+
     @classmethod
     def attach(cls, name: str) -> Arena:
         """Map another process's arena (for reading and writing regions it hands out)."""
