@@ -151,9 +151,11 @@ def test_a_conversation_id_names_the_latest_snapshot_across_servers(fleet, refer
     ready(a, b)
     first = chat(a, TURN1, forced=ids(REPLY) + [EOS], headers={"X-Conversation-Id": "conv-42"})
     assert first["choices"][0]["message"]["content"] == REPLY
-    wait_until(lambda: any(r["conv"] == "name:conv-42" for r in kvctl(fleet.redis.url, "list")), what="the name record")
+    closing = len(closing_tokens())  # the name first points at the prompt's snapshot, then at the closing one
+    wait_until(lambda: any(r["conv"] == "name:conv-42" and r["tokens"] == closing for r in kvctl(fleet.redis.url, "list")),
+               what="the name record of turn 1's closing snapshot")
     second = chat(b, TURN2, prompt_cache_key="conv-42")
-    assert hit(second) == len(closing_tokens()) and answer(second) == reference["turn2"]
+    assert hit(second) == closing and answer(second) == reference["turn2"]
 
 
 @pytest.mark.parametrize("fault", ["killed_before", "killed_during", "frozen_past_lease", "frozen_within_lease", "wrong_secret"])

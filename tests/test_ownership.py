@@ -284,6 +284,24 @@ def test_watch_yields_and_resumes(redis_server: RedisServer) -> None:
     run(main())
 
 
+def test_a_watcher_stops_when_cancelled_wherever_the_cancellation_lands(redis_server: RedisServer) -> None:
+    """Ctrl-C in `kvctl watch`, a server's shutdown: the cancellation may land while redis-py
+    connects or writes, where Python 3.11's asyncio.wait_for can drop it (gh-86296)."""
+
+    async def main() -> None:
+        a = directory(redis_server.url, "A")
+        for i in range(40):
+            it = a.watch("0-0", block_ms=5000)
+            task = asyncio.ensure_future(anext(it))
+            await asyncio.sleep(i * 0.0002)  # from before the connection to well into the blocking read
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=3)
+            assert done and task.cancelled(), f"a watcher cancelled after {i * 0.2:.1f} ms kept running"
+            await it.aclose()
+
+    run(main(), timeout=150)
+
+
 # 5 ---------------------------------------------------------------------------------------------
 
 

@@ -256,6 +256,27 @@ class ClaimResult:
 ResetCallback = Callable[[], Awaitable[None] | None]
 
 
+def _being_cancelled() -> bool:
+    """Whether the running task was asked to stop. redis-py awaits socket writes through
+    asyncio.wait_for, which on Python 3.11 drops a cancellation that lands as the write
+    completes (cpython gh-86296): the command then goes on, and a retry loop would never end."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def _cancellable(aw: Awaitable[T]) -> T:
+    """Await `aw`, then honour a cancellation it swallowed (a short call: at most its own length late)."""
+    try:
+        result = await aw
+    except (RedisError, OSError, TimeoutError) as e:
+        if _being_cancelled():
+            raise asyncio.CancelledError from e
+        raise
+    if _being_cancelled():
+        raise asyncio.CancelledError
+    return result
+
+
 def _int(v: Any, default: int = 0) -> int:
     try:
         return int(v)
@@ -376,7 +397,7 @@ class OwnershipDirectory:
         """Run one Redis interaction under a deadline; every failure becomes DirectoryUnavailable."""
         try:
             async with asyncio.timeout(timeout or self.op_timeout):
-                return await fn()
+                return await _cancellable(fn())
         except (RedisError, OSError, TimeoutError) as e:
             raise DirectoryUnavailable(f"redis {self.redis_url}: {type(e).__name__}: {e}") from e
 
@@ -674,17 +695,21 @@ class OwnershipDirectory:
         resume after a restart of the watcher. Lost connections are retried internally from the
         last id delivered, so nothing is skipped (unless it was trimmed past MAXLEN). "$" is
         resolved to the stream's current tail first, for the same reason."""
-        client = self._client(block_ms / 1000 + max(1.0, self.op_timeout))
+        # No socket timeout (redis-py would bound writes with asyncio.wait_for, see _being_cancelled):
+        # a deadline per read instead, so that a cancellation always ends the watch at once.
+        client = self._client(None)
+        deadline = block_ms / 1000 + max(1.0, self.op_timeout)
         delay = 0.05
         try:
             while True:
                 try:
-                    if last_id == "$":
-                        tail = await client.xrevrange(self.keys.log, "+", "-", count=1)
-                        last_id = tail[0][0] if tail else "0-0"
-                    resp = await client.xread({self.keys.log: last_id}, count=count, block=block_ms)
+                    async with asyncio.timeout(deadline):
+                        if last_id == "$":
+                            tail = await client.xrevrange(self.keys.log, "+", "-", count=1)
+                            last_id = tail[0][0] if tail else "0-0"
+                        resp = await client.xread({self.keys.log: last_id}, count=count, block=block_ms)
                     delay = 0.05
-                except (RedisError, OSError) as e:
+                except (RedisError, OSError) as e:  # TimeoutError included
                     log.info("kv watch: %s; retrying from %s", e, last_id)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
