@@ -19,11 +19,9 @@
 // (a pool entry); slots past min(k, n) get -1. Radix select on order-preserving 32-bit keys, 8 bits
 // a round, then one pass in index order. One CTA of 1024 threads per row; the row's keys are
 // staged in shared memory when they fit.
-#include "common.cuh"
+#include "cache_entries.cuh"
 
 #define IDX_HEADS 64
-#define IDX_DIM 128
-#define IDX_ENTRY 68
 #define NEG_INF __int_as_float(0xff800000)
 
 struct IndexParams {
@@ -130,19 +128,9 @@ extern "C" __global__ void __launch_bounds__(256) index_scores(const __grid_cons
 // ---- FP4 quantisation of queries and keys -------------------------------------------------------
 
 // fp4_quant_rows: the reference's FP4 fake-quant (quant.fp4_fake_quant_ue8m0, block 32) of bf16
-// rows [rows, 128]: scale = 2**ceil(log2(max(amax, 6 * 2**-126) * f32(1/6))), values rounded to
-// the e2m1 grid (nearest, ties to even) after clamping x / scale to +-6. Writes, where the pointer
-// is not null, the grid values as e4m3 [rows, 128] and the scales as float [rows, 4] (queries),
-// and/or the 68-byte entry at pool row dst[row] (keys). One warp per row, 4 dims a lane.
-#define FP4_AMAX_FLOOR __int_as_float(0x01c00000)  // 6 * 2**-126
-#define FP4_MAX_INV __int_as_float(0x3e2aaaab)  // float32(1/6)
-
-DSUF_DEVICE u32 e2m1_magnitude(float a) {  // |x| / scale in [0, 6] -> code 0..7 of 0, .5, 1, 1.5, 2, 3, 4, 6
-  return (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-}
-
-DSUF_DEVICE float e2m1_value(u32 mag) { return mag <= 4 ? 0.5f * mag : mag == 7 ? 6.0f : (float)mag - 2.0f; }
-
+// rows [rows, 128] (cache_entries.cuh fp4_quant4). Writes, where the pointer is not null, the grid
+// values as e4m3 [rows, 128] and the scales as float [rows, 4] (queries), and/or the 68-byte entry
+// at pool row dst[row] (keys). One warp per row, 4 dims a lane.
 extern "C" __global__ void __launch_bounds__(256) fp4_quant_rows(
     const u16* __restrict__ x, int rows, u8* __restrict__ q, float* __restrict__ q_scale, u8* __restrict__ pool,
     const i64* __restrict__ dst) {
@@ -151,30 +139,14 @@ extern "C" __global__ void __launch_bounds__(256) fp4_quant_rows(
   if (row >= rows) return;  // whole warps leave together
   const uint2 raw = *reinterpret_cast<const uint2*>(x + (i64)row * IDX_DIM + 4 * lane);
   const float v[4] = {bf16_to_f32(raw.x & 0xffff), bf16_to_f32(raw.x >> 16), bf16_to_f32(raw.y & 0xffff), bf16_to_f32(raw.y >> 16)};
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-  for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));  // the 8 lanes of a block
-  const u32 bits = __float_as_uint(fmaxf(amax, FP4_AMAX_FLOOR) * FP4_MAX_INV);
-  const int e = (int)((bits >> 23) & 0xff) - 127 + ((bits & 0x7fffff) != 0);
-  const float inv = pow2f(-e);  // dividing by a power of two is exact
   u32 code[4];
   float grid[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float y = fminf(fmaxf(v[i] * inv, -6.0f), 6.0f);
-    const u32 mag = e2m1_magnitude(fabsf(y));
-    grid[i] = y < 0.0f ? -e2m1_value(mag) : e2m1_value(mag);
-    code[i] = mag | (y < 0.0f && mag ? 8u : 0u);
-  }
+  const int e = fp4_quant4(v, code, grid);
   if (q) {
     *reinterpret_cast<u32*>(q + (i64)row * IDX_DIM + 4 * lane) = f32x2_to_e4m3x2(grid[0], grid[1]) | (f32x2_to_e4m3x2(grid[2], grid[3]) << 16);
     if ((lane & 7) == 0) q_scale[(i64)row * 4 + (lane >> 3)] = pow2f(e);
   }
-  if (pool) {
-    u8* entry = pool + dst[row] * IDX_ENTRY;
-    *reinterpret_cast<u16*>(entry + 2 * lane) = (u16)(code[0] | (code[1] << 4) | (code[2] << 8) | (code[3] << 12));
-    if ((lane & 7) == 0) entry[IDX_DIM / 2 + (lane >> 3)] = (u8)(e + 127);
-  }
+  if (pool) index_entry_fp4(pool + dst[row] * IDX_ENTRY, code, e, lane);
 }
 
 // ---- top-k -----------------------------------------------------------------------------------

@@ -1,0 +1,135 @@
+"""One decode step of V4's KV compressors as one kernel (kernels_cu/compressor.cu): the state
+update, the gated pooling of a completed group, its RMSNorm and RoPE, and the cache-entry write,
+for B sequences at their own positions (a device tensor, so one CUDA graph serves every step).
+
+The three compressors of V4-Flash: the CSA layers' main compressor (ratio 4, width 512, overlapping
+windows) and their indexer's (ratio 4, width 128, Hadamard-rotated FP4 keys), and the HCA layers'
+(ratio 128, width 512). The caller computes the projections (bf16 x bf16 -> float32 matmul).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .attention import KV_ENTRY_BYTES
+from .indexer import INDEX_ENTRY_BYTES
+from .runtime import get_kernel
+
+KERNELS = {(512, 4): "compress_csa", (512, 128): "compress_hca", (128, 4): "compress_index"}  # (width, ratio)
+CHANNELS_PER_CTA = 64
+ROPE_PAIRS = 32
+MAX_ROWS = 65535  # the grid's y dimension
+
+
+class CompressParams(ctypes.Structure):
+    """Mirror of `struct CompressParams` in kernels_cu/compressor.cu."""
+
+    _fields_ = [
+        ("kv", ctypes.c_void_p),
+        ("score", ctypes.c_void_p),
+        ("pos", ctypes.c_void_p),
+        ("state_kv", ctypes.c_void_p),
+        ("state_score", ctypes.c_void_p),
+        ("ape", ctypes.c_void_p),
+        ("norm", ctypes.c_void_p),
+        ("freqs", ctypes.c_void_p),
+        ("pool", ctypes.c_void_p),
+        ("kv_slot", ctypes.c_void_p),
+        ("key_row", ctypes.c_void_p),
+        ("latent", ctypes.c_void_p),
+        ("kv_stride", ctypes.c_int64),
+        ("score_stride", ctypes.c_int64),
+        ("eps", ctypes.c_double),
+    ]
+
+
+def _rows(t: torch.Tensor, batch: int, channels: int, name: str) -> torch.Tensor:
+    """t as float32 [batch, channels] rows of contiguous, 16-byte aligned channels (a column slice
+    of a wider projection output is taken as it is)."""
+    if t.dtype != torch.float32 or tuple(t.shape) != (batch, channels):
+        raise ValueError(f"compress_decode: {name} must be float32 [{batch}, {channels}], got {t.dtype} {tuple(t.shape)}")
+    if t.stride(1) != 1 or t.stride(0) % 4 or t.data_ptr() % 16:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def compress_decode(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    positions: torch.Tensor,
+    state_kv: torch.Tensor,
+    state_score: torch.Tensor,
+    ape: torch.Tensor,
+    norm: torch.Tensor,
+    freqs: torch.Tensor,
+    eps: float,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    latent: torch.Tensor | None = None,
+) -> None:
+    """One decode token per row b at position positions[b] (int32 [B]; < 0: a padding row, left
+    untouched) fed to a compressor of ratio = ape.shape[0] and width = norm.shape[0]:
+
+    - kv, score: float32 [B, C] the token's projections (C = 2 width for ratio 4, else width);
+    - state_kv, state_score: float32 [B, rows, C] the state as CompressorState holds it (rows =
+      2 ratio for ratio 4: the previous group, then the current one; else ratio), updated in place;
+    - ape float32 [ratio, C], norm float32 [width], freqs float32 [32] (the layer's Rope.freqs:
+      the entry's cos / sin are computed inside, at its position p - ratio + 1), eps the norm's;
+    - a token that completes its group writes the entry: width 512 into the KV pool uint8
+      [entries, 584] at slots[b] (int32, as pack_kv), width 128 Hadamard-rotated into the index
+      key pool uint8 [n, 68] at slots[b] (int64, as pack_index_keys); < 0 writes nothing. Other
+      rows write nothing there (their slot is not read);
+    - latent: optional bf16 [B, width], row b set to the completed entry after RoPE (before the
+      Hadamard rotation and the cache format) where row b completes one.
+
+    One launch and no state of its own: safe in CUDA graphs and on any stream.
+    """
+    width, ratio = norm.shape[0], ape.shape[0]
+    name = KERNELS.get((width, ratio))
+    if name is None:
+        raise ValueError(f"compress_decode: no kernel for width {width}, ratio {ratio} (have {sorted(KERNELS)})")
+    batch = positions.shape[0]
+    channels = (2 if ratio == 4 else 1) * width
+    state_rows = (2 if ratio == 4 else 1) * ratio
+    if positions.dtype != torch.int32 or positions.dim() != 1 or batch > MAX_ROWS:
+        raise ValueError(f"compress_decode: positions must be int32 [B], B <= {MAX_ROWS}")
+    kv, score = _rows(kv, batch, channels, "kv"), _rows(score, batch, channels, "score")
+    for t, what in ((state_kv, "state_kv"), (state_score, "state_score")):
+        if t.dtype != torch.float32 or tuple(t.shape) != (batch, state_rows, channels) or not t.is_contiguous():
+            raise ValueError(f"compress_decode: {what} must be contiguous float32 [{batch}, {state_rows}, {channels}]")
+    if ape.dtype != torch.float32 or tuple(ape.shape) != (ratio, channels) or norm.dtype != torch.float32:
+        raise ValueError(f"compress_decode: ape must be float32 [{ratio}, {channels}], norm float32 [{width}]")
+    if freqs.dtype != torch.float32 or tuple(freqs.shape) != (ROPE_PAIRS,):
+        raise ValueError(f"compress_decode: freqs must be float32 [{ROPE_PAIRS}]")
+    entry_bytes, slot_dtype = (KV_ENTRY_BYTES, torch.int32) if width == 512 else (INDEX_ENTRY_BYTES, torch.int64)
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != entry_bytes or not pool.is_contiguous():
+        raise ValueError(f"compress_decode: the pool must be contiguous uint8 [entries, {entry_bytes}]")
+    if slots.dtype != slot_dtype or tuple(slots.shape) != (batch,):
+        raise ValueError(f"compress_decode: slots must be {slot_dtype} [{batch}]")
+    if latent is not None and (latent.dtype != torch.bfloat16 or tuple(latent.shape) != (batch, width) or not latent.is_contiguous()):
+        raise ValueError(f"compress_decode: latent must be contiguous bf16 [{batch}, {width}]")
+    if not batch:
+        return
+    ape, norm, freqs = ape.contiguous(), norm.contiguous(), freqs.contiguous()
+    params = CompressParams(
+        kv.data_ptr(),
+        score.data_ptr(),
+        positions.data_ptr(),
+        state_kv.data_ptr(),
+        state_score.data_ptr(),
+        ape.data_ptr(),
+        norm.data_ptr(),
+        freqs.data_ptr(),
+        pool.data_ptr(),
+        slots.data_ptr() if width == 512 else 0,
+        slots.data_ptr() if width != 512 else 0,
+        latent.data_ptr() if latent is not None else 0,
+        kv.stride(0),
+        score.stride(0),
+        eps,
+    )
+    threads = 128 if ratio == 4 else 256
+    # One cluster of width / 64 CTAs per row (the cluster size is compiled into the kernel).
+    get_kernel("compressor", name, kv.device)((width // CHANNELS_PER_CTA, batch, 1), threads, [params])

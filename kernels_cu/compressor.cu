@@ -1,0 +1,282 @@
+// One decode step of V4's KV compressors (layers.Compressor, then v4.Compressor's RoPE and cache
+// format) for B sequences, each at its own position p (int32 on the device, so a CUDA graph serves
+// any mix of positions; p < 0 marks a padding row, which touches nothing).
+//
+// The token's projections kv, score (float32, from the caller's matmul) join the state: score +=
+// ape[p % ratio], both written to state row cur + p % ratio (cur = ratio for the overlapping ratio
+// 4, else 0). When the token completes its group g = p / ratio, the entry is pooled per channel:
+// softmax over the group's slots of score in float64, weighted sum of kv in float64, rounded to
+// float32 then bf16 (for ratio 4 eight slots: the previous group's rows 0..3 on channels
+// [0, width), with score -inf for g = 0, and this group's rows on [width, 2 width)). Then
+// RMSNorm as layers.rms_norm (sum of squares in float64, r = f32(1 / sqrt(mean + eps)),
+// bf16(w * (x * r))), RoPE on the last 64 dims at the entry's position g * ratio with cos / sin
+// as layers.Rope.cos_sin computes them (angle = f32(f32(pos) * freq), cos and sin in float64
+// rounded to float32; products and sums rounded, no FMA), and the entry is written: width 512 as
+// a 584-byte FP8 KV entry, width 128 (the indexer's keys) Hadamard-rotated (exact sum in float64
+// times f32(128**-0.5), rounded to float32 then bf16) as a 68-byte FP4 key. The state then moves
+// on: for ratio 4 the current group's rows become rows 0..3; the current rows are reset to kv 0,
+// score -inf.
+//
+// grid (width / 64, B) in clusters of width / 64 CTAs, one cluster per row; a CTA pools 64
+// channels: 16 threads of 4 channels times LN slot lanes. CTA 0 of the cluster gathers the pooled
+// bf16 row from its peers' shared memory, normalises, rotates and writes the entry.
+#include "cache_entries.cuh"
+
+#define NEG_INF __int_as_float(0xff800000)
+#define CH 64  // pooled channels per CTA
+#define ROPE_PAIRS 32
+#define HADAMARD_SCALE ((float)0.08838834764831845)  // f32(128**-0.5): quant.hadamard_matrix(128)'s entries
+
+struct CompressParams {
+  const float* kv;     // [B, C] the token's projections, rows kv_stride floats apart
+  const float* score;  // [B, C], rows score_stride floats apart
+  const int* pos;      // [B] the token's position; < 0: padding
+  float* state_kv;     // [B, NS, C] (NS = 2 ratio for ratio 4, else ratio)
+  float* state_score;  // [B, NS, C]
+  const float* ape;    // [ratio, C]
+  const float* norm;   // [width]
+  const float* freqs;  // [32] layers.Rope.freqs
+  u8* pool;            // width 512: KV entries [*, 584]; width 128: index keys [*, 68]
+  const int* kv_slot;  // [B] width 512: the new entry's pool entry (< 0: not written)
+  const i64* key_row;  // [B] width 128: likewise
+  u16* latent;         // [B, width] or null: the new entry after RoPE (before the Hadamard rotation)
+  i64 kv_stride;
+  i64 score_stride;
+  double eps;
+};
+
+DSUF_DEVICE float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+DSUF_DEVICE void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+DSUF_DEVICE float4 add4(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
+DSUF_DEVICE float at(const float4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+
+// Thread-block clusters: a barrier of every thread of the cluster (split into arrive and wait;
+// release / acquire order the shared-memory writes before it), and reading a peer CTA's shared
+// memory.
+DSUF_DEVICE void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+DSUF_DEVICE void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
+DSUF_DEVICE u16 ld_peer_u16(const u16* local, u32 rank) {
+  u32 remote;
+  u16 v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
+  asm volatile("ld.shared::cluster.u16 %0, [%1];" : "=h"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+template <int WIDTH, int RATIO, int LN>
+DSUF_DEVICE void compress_step(const CompressParams& p) {
+  constexpr bool OVERLAP = RATIO == 4;
+  constexpr int C = OVERLAP ? 2 * WIDTH : WIDTH;   // projection / state channels
+  constexpr int NS = OVERLAP ? 2 * RATIO : RATIO;  // state rows = pooled slots
+  constexpr int SPT = NS / LN;                     // slots a thread pools
+  constexpr int CUR = OVERLAP ? RATIO : 0;         // first state row of the current group
+  constexpr int NT = 16 * LN;
+  static_assert(NS % LN == 0 && WIDTH % CH == 0 && WIDTH % NT == 0 && NT >= 32, "compressor shape");
+  static_assert(WIDTH == 512 || (WIDTH == IDX_DIM && NT == IDX_DIM), "KV entries of 512 or index keys of 128");
+
+  const int b = blockIdx.y;
+  const int pos = p.pos[b];
+  if (pos < 0) return;
+  const int phase = pos % RATIO;
+  const int s = threadIdx.x >> 4;
+  const int c = blockIdx.x * CH + 4 * (threadIdx.x & 15);
+  float* st_kv = p.state_kv + (i64)b * NS * C;
+  float* st_score = p.state_score + (i64)b * NS * C;
+  const float* kv_in = p.kv + b * p.kv_stride;
+  const float* score_in = p.score + b * p.score_stride;
+  const float* ape = p.ape + phase * C;
+
+  if (phase != RATIO - 1) {  // no entry completes: the token joins the current group
+    if (s < C / WIDTH) {
+      const int col = s * WIDTH + c;
+      st4(st_kv + (CUR + phase) * C + col, ld4(kv_in + col));
+      st4(st_score + (CUR + phase) * C + col, add4(ld4(score_in + col), ld4(ape + col)));
+    }
+    return;
+  }
+
+  // Slot j = s * SPT + i: state row j at channel c, or (ratio 4, this group) at width + c; the
+  // last slot is the token itself. `lo`: the current group's other half, moved with it below.
+  float4 kv[SPT], sc[SPT], kv_lo[SPT], sc_lo[SPT];
+#pragma unroll
+  for (int i = 0; i < SPT; ++i) {
+    const int j = s * SPT + i;
+    const int col = OVERLAP && j >= RATIO ? WIDTH + c : c;
+    if (j == NS - 1) {
+      kv[i] = ld4(kv_in + col);
+      sc[i] = add4(ld4(score_in + col), ld4(ape + col));
+    } else {
+      kv[i] = ld4(st_kv + j * C + col);
+      sc[i] = ld4(st_score + j * C + col);
+    }
+    if (OVERLAP && j >= RATIO) {
+      if (j == NS - 1) {
+        kv_lo[i] = ld4(kv_in + c);
+        sc_lo[i] = add4(ld4(score_in + c), ld4(ape + c));
+      } else {
+        kv_lo[i] = ld4(st_kv + j * C + c);
+        sc_lo[i] = ld4(st_score + j * C + c);
+      }
+    }
+    if (OVERLAP && j < RATIO && pos == RATIO - 1) sc[i] = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);  // group 0
+  }
+  // The entry's rotation (CTA 0 uses it), while the loads are in flight.
+  float rope_cos = 0.0f, rope_sin = 0.0f;
+  if (blockIdx.x == 0 && threadIdx.x < ROPE_PAIRS) {
+    const float angle = __fmul_rn((float)(pos - (RATIO - 1)), p.freqs[threadIdx.x]);
+    rope_cos = (float)cos((double)angle);
+    rope_sin = (float)sin((double)angle);
+  }
+
+  __shared__ float s_max[LN][CH];
+  __shared__ double s_sum[LN][CH], s_acc[LN][CH];
+  const int ch = 4 * (threadIdx.x & 15);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float m = at(sc[0], k);
+#pragma unroll
+    for (int i = 1; i < SPT; ++i) m = fmaxf(m, at(sc[i], k));
+    s_max[s][ch + k] = m;
+  }
+  __syncthreads();
+
+  // Every state row this CTA pools has been read: move the group on.
+  const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f), empty = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+#pragma unroll
+  for (int i = 0; i < SPT; ++i) {
+    const int j = s * SPT + i;
+    if (OVERLAP && j >= RATIO) {
+      const int prev = (j - RATIO) * C;
+      st4(st_kv + prev + c, kv_lo[i]);
+      st4(st_kv + prev + WIDTH + c, kv[i]);
+      st4(st_score + prev + c, sc_lo[i]);
+      st4(st_score + prev + WIDTH + c, sc[i]);
+      st4(st_kv + j * C + WIDTH + c, zero);
+      st4(st_score + j * C + WIDTH + c, empty);
+    }
+    if (!OVERLAP || j >= RATIO) {
+      st4(st_kv + j * C + c, zero);
+      st4(st_score + j * C + c, empty);
+    }
+  }
+
+  double l[4], a[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float m = s_max[0][ch + k];
+#pragma unroll
+    for (int t = 1; t < LN; ++t) m = fmaxf(m, s_max[t][ch + k]);
+    l[k] = 0.0;
+    a[k] = 0.0;
+#pragma unroll
+    for (int i = 0; i < SPT; ++i) {
+      const double e = exp((double)at(sc[i], k) - (double)m);
+      l[k] += e;
+      a[k] += (double)at(kv[i], k) * e;
+    }
+    s_sum[s][ch + k] = l[k];
+    s_acc[s][ch + k] = a[k];
+  }
+  __syncthreads();
+  __shared__ __align__(16) u16 s_pooled[CH];
+  if (s == 0) {
+    float y[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      double sum = 0.0, acc = 0.0;
+#pragma unroll
+      for (int t = 0; t < LN; ++t) {
+        sum += s_sum[t][ch + k];
+        acc += s_acc[t][ch + k];
+      }
+      y[k] = (float)(acc / sum);
+    }
+    *reinterpret_cast<uint2*>(s_pooled + ch) = make_uint2(bf16x2(y[0], y[1]), bf16x2(y[2], y[3]));
+  }
+
+  // CTA 0 gathers the pooled row; the others wait until it has read their shared memory.
+  cluster_arrive();
+  cluster_wait();
+  if (blockIdx.x != 0) {
+    cluster_arrive();
+    cluster_wait();
+    return;
+  }
+  __shared__ __align__(16) u16 s_out[WIDTH];
+  __shared__ double s_part[NT / 32];
+  float y[WIDTH / NT];
+  double ss = 0.0;
+#pragma unroll
+  for (int k = 0; k < WIDTH / NT; ++k) {
+    const int d = threadIdx.x + k * NT;
+    y[k] = bf16_to_f32(ld_peer_u16(s_pooled + d % CH, d / CH));
+    ss += (double)y[k] * (double)y[k];
+  }
+  cluster_arrive();  // done with the peers' shared memory
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) s_part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  double total = 0.0;
+#pragma unroll
+  for (int w = 0; w < NT / 32; ++w) total += s_part[w];
+  const float r = (float)(1.0 / sqrt(total / WIDTH + p.eps));
+#pragma unroll
+  for (int k = 0; k < WIDTH / NT; ++k) {
+    const int d = threadIdx.x + k * NT;
+    s_out[d] = f32_to_bf16(__fmul_rn(p.norm[d], __fmul_rn(y[k], r)));
+  }
+  __syncthreads();
+  if (threadIdx.x < ROPE_PAIRS) {
+    const int d = WIDTH - 2 * ROPE_PAIRS + 2 * threadIdx.x;
+    const float x0 = bf16_to_f32(s_out[d]), x1 = bf16_to_f32(s_out[d + 1]);
+    s_out[d] = f32_to_bf16(__fsub_rn(__fmul_rn(x0, rope_cos), __fmul_rn(x1, rope_sin)));
+    s_out[d + 1] = f32_to_bf16(__fadd_rn(__fmul_rn(x0, rope_sin), __fmul_rn(x1, rope_cos)));
+  }
+  __syncthreads();
+  if (p.latent) {
+#pragma unroll
+    for (int k = 0; k < WIDTH / NT; ++k) p.latent[(i64)b * WIDTH + threadIdx.x + k * NT] = s_out[threadIdx.x + k * NT];
+  }
+  const int lane = threadIdx.x;
+  if constexpr (WIDTH == 512) {
+    if (threadIdx.x < 32) {
+      const int slot = p.kv_slot[b];
+      if (slot >= 0) kv_entry_fp8(s_out, p.pool + (i64)slot * KV_ENTRY, lane);
+    }
+  } else {
+    __shared__ float s_rot[IDX_DIM];
+    double acc[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};  // exact: signed sums of bf16 values
+#pragma unroll
+    for (int i = 0; i < IDX_DIM; ++i) {
+      const double x = bf16_to_f32(s_out[i]);
+      acc[i % 8] += __popc(i & threadIdx.x) & 1 ? -x : x;
+    }
+    const double sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    s_rot[threadIdx.x] = bf16_to_f32(f32_to_bf16((float)(sum * (double)HADAMARD_SCALE)));
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      const i64 row = p.key_row[b];
+      if (row >= 0) {
+        const float v[4] = {s_rot[4 * lane], s_rot[4 * lane + 1], s_rot[4 * lane + 2], s_rot[4 * lane + 3]};
+        u32 code[4];
+        float grid[4];
+        const int e = fp4_quant4(v, code, grid);
+        index_entry_fp4(p.pool + row * IDX_ENTRY, code, e, lane);
+      }
+    }
+  }
+  cluster_wait();
+}
+
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(128) compress_csa(const __grid_constant__ CompressParams p) {
+  compress_step<512, 4, 8>(p);
+}
+
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(256) compress_hca(const __grid_constant__ CompressParams p) {
+  compress_step<512, 128, 16>(p);
+}
+
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(128) compress_index(const __grid_constant__ CompressParams p) {
+  compress_step<128, 4, 8>(p);
+}
