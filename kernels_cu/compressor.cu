@@ -76,6 +76,15 @@ DSUF_DEVICE void compress_step(const CompressParams& p) {
   static_assert(WIDTH == 512 || (WIDTH == IDX_DIM && NT == IDX_DIM), "KV entries of 512 or index keys of 128");
 
   const int b = blockIdx.y;
+  // What CTA 0 needs to finish an entry, loaded with the position (none of it depends on it).
+  float freq = 0.0f, weight[WIDTH / NT];
+  i64 dst = -1;
+  if (blockIdx.x == 0) {
+    if (threadIdx.x < ROPE_PAIRS) freq = p.freqs[threadIdx.x];
+    if (threadIdx.x < 32) dst = WIDTH == 512 ? (i64)p.kv_slot[b] : p.key_row[b];
+#pragma unroll
+    for (int k = 0; k < WIDTH / NT; ++k) weight[k] = p.norm[threadIdx.x + k * NT];
+  }
   const int pos = p.pos[b];
   if (pos < 0) return;
   const int phase = pos % RATIO;
@@ -121,12 +130,12 @@ DSUF_DEVICE void compress_step(const CompressParams& p) {
     }
     if (OVERLAP && j < RATIO && pos == RATIO - 1) sc[i] = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);  // group 0
   }
-  // The entry's rotation (CTA 0 uses it), while the loads are in flight.
+  // The entry's rotation, while the loads are in flight.
   float rope_cos = 0.0f, rope_sin = 0.0f;
   if (blockIdx.x == 0 && threadIdx.x < ROPE_PAIRS) {
-    const float angle = __fmul_rn((float)(pos - (RATIO - 1)), p.freqs[threadIdx.x]);
-    rope_cos = (float)cos((double)angle);
-    rope_sin = (float)sin((double)angle);
+    const double angle = (double)__fmul_rn((float)(pos - (RATIO - 1)), freq);
+    rope_cos = (float)cos(angle);
+    rope_sin = (float)sin(angle);
   }
 
   __shared__ float s_max[LN][CH];
@@ -224,7 +233,7 @@ DSUF_DEVICE void compress_step(const CompressParams& p) {
 #pragma unroll
   for (int k = 0; k < WIDTH / NT; ++k) {
     const int d = threadIdx.x + k * NT;
-    s_out[d] = f32_to_bf16(__fmul_rn(p.norm[d], __fmul_rn(y[k], r)));
+    s_out[d] = f32_to_bf16(__fmul_rn(weight[k], __fmul_rn(y[k], r)));
   }
   __syncthreads();
   if (threadIdx.x < ROPE_PAIRS) {
@@ -240,30 +249,24 @@ DSUF_DEVICE void compress_step(const CompressParams& p) {
   }
   const int lane = threadIdx.x;
   if constexpr (WIDTH == 512) {
-    if (threadIdx.x < 32) {
-      const int slot = p.kv_slot[b];
-      if (slot >= 0) kv_entry_fp8(s_out, p.pool + (i64)slot * KV_ENTRY, lane);
-    }
+    if (threadIdx.x < 32 && dst >= 0) kv_entry_fp8(s_out, p.pool + dst * KV_ENTRY, lane);
   } else {
+    __shared__ double s_x[IDX_DIM];
     __shared__ float s_rot[IDX_DIM];
+    s_x[threadIdx.x] = bf16_to_f32(s_out[threadIdx.x]);
+    __syncthreads();
     double acc[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};  // exact: signed sums of bf16 values
 #pragma unroll
-    for (int i = 0; i < IDX_DIM; ++i) {
-      const double x = bf16_to_f32(s_out[i]);
-      acc[i % 8] += __popc(i & threadIdx.x) & 1 ? -x : x;
-    }
+    for (int i = 0; i < IDX_DIM; ++i) acc[i % 8] += __popc(i & threadIdx.x) & 1 ? -s_x[i] : s_x[i];
     const double sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     s_rot[threadIdx.x] = bf16_to_f32(f32_to_bf16((float)(sum * (double)HADAMARD_SCALE)));
     __syncthreads();
-    if (threadIdx.x < 32) {
-      const i64 row = p.key_row[b];
-      if (row >= 0) {
-        const float v[4] = {s_rot[4 * lane], s_rot[4 * lane + 1], s_rot[4 * lane + 2], s_rot[4 * lane + 3]};
-        u32 code[4];
-        float grid[4];
-        const int e = fp4_quant4(v, code, grid);
-        index_entry_fp4(p.pool + row * IDX_ENTRY, code, e, lane);
-      }
+    if (threadIdx.x < 32 && dst >= 0) {
+      const float v[4] = {s_rot[4 * lane], s_rot[4 * lane + 1], s_rot[4 * lane + 2], s_rot[4 * lane + 3]};
+      u32 code[4];
+      float grid[4];
+      const int e = fp4_quant4(v, code, grid);
+      index_entry_fp4(p.pool + dst * IDX_ENTRY, code, e, lane);
     }
   }
   cluster_wait();

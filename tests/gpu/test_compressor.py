@@ -230,7 +230,7 @@ def _graph_us(step, reps: int = 10, replays: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / (replays * reps)
 
 
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch", [1, 8, 64])
 def test_compress_decode_timing(cuda, batch):
     """Prints the step's time in a CUDA graph: CSA (main + indexer compressors) and HCA, at a
     group-completing token and at one that only joins its group, against the torch pooling + norm
