@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ log = logging.getLogger("dsuf.serve")
 EMBEDDED_NAME = "dsuf-tiny-v4"
 EMBEDDED_SEED = 0
 EMBEDDED_MAX_MODEL_LEN = 1024  # a random model rarely says EOS: keep its answers short
+GPU_DEFAULT_CONTEXT = 65536
 # The tokens that end a part of a turn (where conversation snapshots are taken); the first one
 # opens the answer.
 TURN_TOKENS = ("<｜Assistant｜>", "<think>", "</think>", "<｜end▁of▁sentence｜>")
@@ -66,14 +68,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt("ckpt", None, "checkpoint folder; default: the embedded tiny model")
     opt("tokenizer", None, "tokenizer.json; default: the checkpoint's, else the public V4 tokenizer")
     opt("device", "cpu", "cpu (the reference path)")
-    opt("gpus", None, "comma-separated GPU ids for the GPU path")
+    opt("gpus", None, "GPU id for the GPU path (one for now)")
+    opt("random-weights", None, "with --gpus: serve random weights of this config.json's shapes (made on the GPU, as dsuf bench does)")
+    opt("seed", 0, "seed of --random-weights", int)
     opt("host", "127.0.0.1", "address to listen on")
     opt("port", 8000, "port to listen on", int)
     opt("api-key", None, "require `Authorization: Bearer KEY`")
     opt("served-name", None, "model name to answer to besides the standard aliases; default: the checkpoint folder's name")
     opt("max-batch", 64, "most sequences decoded together", int)
     opt("max-waiting", 256, "most requests queued before answering 429", int)
-    opt("max-model-len", 0, "context limit in tokens; default: the model's (1024 for the embedded tiny model)", int)
+    opt("max-model-len", 0, "context limit in tokens; default: the model's (1024 for the embedded tiny model, at most 65536 on the GPU path)", int)
     opt("prefill-chunk", 256, "prompt tokens prefilled per step", int)
     opt("numerics", "reference", "reference or exact")
     opt("grace", 30.0, "seconds SIGTERM waits for running requests", float)
@@ -97,28 +101,41 @@ async def serve(args: argparse.Namespace) -> int:
     from dsuf.model.checkpoint import checkpoint_revision
     from dsuf.model.config import load_any_config
 
-    if args.gpus:
-        raise SystemExit("dsuf: the GPU path is not built yet; serve with --device cpu")
+    gpus = parse_gpus(args.gpus)
     if args.device != "cpu":
-        raise SystemExit(f"dsuf: unknown --device {args.device!r}; use cpu")
-    ckpt = Path(args.ckpt) if args.ckpt else embedded_checkpoint()
-    config = load_any_config(ckpt)
-    tokenizer = Path(args.tokenizer) if args.tokenizer else ckpt / "tokenizer.json"
-    if not tokenizer.is_file():
-        if config.family != "v4":  # V4.1 adds special tokens the public V4 tokenizer lacks
-            raise SystemExit(f"dsuf: {ckpt} has no tokenizer.json; a {config.family} checkpoint needs its own (or --tokenizer)")
-        tokenizer = default_tokenizer()
-    max_len = args.max_model_len or (EMBEDDED_MAX_MODEL_LEN if not args.ckpt else config.max_seq_len)
-    log.info("kernels: none to build on the CPU reference path")
+        raise SystemExit(f"dsuf: unknown --device {args.device!r}; use cpu, or --gpus for the GPU path")
+    if args.random_weights and not gpus:
+        raise SystemExit("dsuf: --random-weights runs on the GPU path: add --gpus")
+    if args.random_weights and args.ckpt:
+        raise SystemExit("dsuf: give --ckpt or --random-weights, not both")
+    if args.random_weights:
+        config, where = random_weights_config(Path(args.random_weights)), None
+        revision = f"{config.name}-seed{args.seed}"
+        tokenizer = Path(args.tokenizer) if args.tokenizer else default_tokenizer()
+    else:
+        ckpt = Path(args.ckpt) if args.ckpt else embedded_checkpoint()
+        config, revision, where = load_any_config(ckpt), checkpoint_revision(ckpt), str(ckpt)
+        tokenizer = Path(args.tokenizer) if args.tokenizer else ckpt / "tokenizer.json"
+        if not tokenizer.is_file():
+            if config.family != "v4":  # V4.1 adds special tokens the public V4 tokenizer lacks
+                raise SystemExit(f"dsuf: {ckpt} has no tokenizer.json; a {config.family} checkpoint needs its own (or --tokenizer)")
+            tokenizer = default_tokenizer()
+    if gpus:  # every sequence's caches are preallocated on the GPU: a bounded context by default
+        max_len = args.max_model_len or min(config.max_seq_len, GPU_DEFAULT_CONTEXT)
+        log.info("GPU path on cuda:%d (kernels compile on first use, cached on disk)", gpus[0])
+    else:
+        max_len = args.max_model_len or (EMBEDDED_MAX_MODEL_LEN if not args.ckpt else config.max_seq_len)
+        log.info("kernels: none to build on the CPU reference path")
     chat = ChatFrontend(tokenizer, served_name=args.served_name or config.name, context_limit=max_len, family=config.family, test_hooks=args.test_hooks)
     highest = max(chat.token_id(t) for t in TURN_TOKENS)
     if highest >= config.vocab_size:  # every request would fail in the worker
         raise SystemExit(f"dsuf: the tokenizer {tokenizer} has ids up to {highest}, beyond the checkpoint's vocabulary of {config.vocab_size}")
-    cache = conversation_cache(args, chat, config.name, checkpoint_revision(ckpt))
+    cache = conversation_cache(args, chat, config.name, revision)
     arena = cache.store.arena if cache else None
     engine = Engine(EngineConfig(
-        str(ckpt), args.numerics, args.max_batch, args.max_waiting, args.prefill_chunk,
+        where, args.numerics, args.max_batch, args.max_waiting, args.prefill_chunk,
         arena=arena.name if arena else None, revision=cache.revision if cache else "",
+        gpu=gpus[0] if gpus else None, random_weights=args.random_weights, max_context=-(-max_len // 128) * 128,
     ))
     engine.cache = cache
     state = ServerState(api_key=args.api_key, cache=cache)
@@ -156,6 +173,34 @@ async def serve(args: argparse.Namespace) -> int:
         cache.store.arena.close()
     log.info("stopped")
     return 0
+
+
+def parse_gpus(text: str | None) -> list[int]:
+    """--gpus "0" -> [0]; one GPU for now (tensor parallelism across GPUs comes later)."""
+    if not text:
+        return []
+    try:
+        gpus = [int(g) for g in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"dsuf: --gpus takes comma-separated GPU ids, got {text!r}") from None
+    if len(gpus) > 1:
+        raise SystemExit("dsuf: tensor parallelism across GPUs is not built yet; serve on one GPU (e.g. --gpus 0)")
+    if gpus[0] < 0:
+        raise SystemExit(f"dsuf: not a GPU id: {gpus[0]}")
+    return gpus
+
+
+def random_weights_config(path: Path):
+    """The model config of --random-weights CONFIG (a config.json), named after the file."""
+    from dsuf.model.config import ConfigError, parse_config
+
+    try:
+        config = parse_config(json.loads(path.read_text()), f"random-{path.stem}")
+    except (OSError, ValueError, ConfigError) as exc:
+        raise SystemExit(f"dsuf: --random-weights {path}: {exc}") from None
+    if config.family != "v4":
+        raise SystemExit(f"dsuf: --random-weights makes V4-Flash shapes only, not {config.family}")
+    return config
 
 
 def conversation_cache(args: argparse.Namespace, chat, model_id: str, revision: str):

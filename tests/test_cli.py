@@ -77,3 +77,20 @@ def test_missing_checkpoint_and_bad_override_are_reported_plainly(tmp_path):
     assert proc.returncode == 2 and "no config.json" in proc.stderr and "Traceback" not in proc.stderr
     proc = dsuf("make-tiny", "--out", str(tmp_path / "t"), "--set", "num_key_value_heads=2", ok=False)
     assert proc.returncode == 2 and "num_key_value_heads" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpus", "0,1"], "tensor parallelism across GPUs is not built yet"),
+        (["--gpus", "zero"], "comma-separated GPU ids"),
+        (["--random-weights", "config.json"], "--random-weights runs on the GPU path: add --gpus"),
+        (["--gpus", "0", "--random-weights", "config.json", "--ckpt", "x"], "not both"),
+        (["--gpus", "0", "--random-weights", "nowhere.json"], "--random-weights nowhere.json"),
+        (["--device", "tpu"], "unknown --device"),
+    ],
+)
+def test_serve_refuses_gpu_options_it_cannot_honour_in_one_line(args, message, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "dsuf", "serve", "--port", "0", "--kv-host-bytes", "0", *args],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

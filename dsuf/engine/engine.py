@@ -29,7 +29,7 @@ log = logging.getLogger("dsuf.engine")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    ckpt: str
+    ckpt: str | None  # None: --random-weights on the GPU
     numerics: str = "reference"
     max_batch: int = 64
     max_waiting: int = 256
@@ -37,6 +37,9 @@ class EngineConfig:
     worker_threads: int = 0  # 0: the worker's default
     arena: str | None = None  # shared-memory name of the snapshot arena (conversation caches)
     revision: str = ""  # the checkpoint's revision, named in every snapshot
+    gpu: int | None = None  # the worker's CUDA device (the GPU path); None: the CPU reference path
+    random_weights: str | None = None  # GPU path: a config.json whose shapes get random weights
+    max_context: int = 0  # GPU path: tokens a sequence may hold (its caches are preallocated)
 
 
 class WorkerGone(Exception):
@@ -67,17 +70,21 @@ class Engine:
         self.to_worker = Channel(self._rings[0], self._bells[0], ToWorker)
         self.from_worker = Channel(self._rings[1], self._bells[1], FromWorker)
         self.from_worker.attach_to_loop(loop, self._on_messages)
+        cfg = self.config
         cmd = [
-            sys.executable, "-m", "dsuf.worker.main", "--ckpt", self.config.ckpt, "--numerics", self.config.numerics,
+            sys.executable, "-m", "dsuf.worker.main", "--numerics", cfg.numerics,
             "--inbox", self._rings[0].name, "--inbox-fd", str(self._bells[0].fd),
             "--outbox", self._rings[1].name, "--outbox-fd", str(self._bells[1].fd),
         ]
+        cmd += ["--ckpt", cfg.ckpt] if cfg.ckpt else ["--random-weights", str(cfg.random_weights)]
+        if cfg.gpu is not None:
+            cmd += ["--gpu", str(cfg.gpu), "--max-batch", str(cfg.max_batch), "--max-context", str(cfg.max_context)]
         if self.config.worker_threads:
             cmd += ["--threads", str(self.config.worker_threads)]
         if self.config.arena:
             cmd += ["--arena", self.config.arena, "--revision", self.config.revision]
         self._proc = await asyncio.create_subprocess_exec(*cmd, pass_fds=(self._bells[0].fd, self._bells[1].fd))
-        log.info("worker started (pid %d), loading weights from %s", self._proc.pid, self.config.ckpt)
+        log.info("worker started (pid %d), loading weights from %s", self._proc.pid, self.config.ckpt or f"random weights of {self.config.random_weights}")
         self._tasks = [asyncio.create_task(self._supervise()), asyncio.create_task(self._loop())]
 
     async def stop(self) -> None:

@@ -511,14 +511,25 @@ def experts_of(w: Weights, prefix: str) -> tuple[list[Expert], Expert]:
 
 
 class ReferenceModel:
-    """What the server's worker drives, the same for both families: `config` (name, vocab_size,
-    eos_token_id), `new_state`, `forward` and `forward_batch`. A family implements `_forward` over
-    a batch of (new tokens, state) pairs."""
+    """What the server's worker drives, the same for both families and for the GPU path
+    (dsuf.gpu.model): `config` (name, vocab_size, eos_token_id), `new_state`, `free`, `forward`
+    and `forward_batch`, and `export_state` / `import_state` between the model's own states and
+    the SequenceStates that conversation caches serialise. A family implements `_forward` over a
+    batch of (new tokens, state) pairs."""
 
     config: ModelConfig
 
     def new_state(self, num: Numerics) -> SequenceState:
         raise NotImplementedError
+
+    def free(self, state: SequenceState) -> None:
+        """A state is done with (the reference's states hold nothing but their tensors)."""
+
+    def export_state(self, state: SequenceState) -> SequenceState:
+        return state
+
+    def import_state(self, state: SequenceState) -> SequenceState:
+        return state
 
     def packs_caches(self, num: Numerics) -> bool:
         """Whether states made for `num` keep their cache rows packed (V4.1 in reference numerics)."""

@@ -90,10 +90,10 @@ class Worker:
             raise SnapshotError("this worker has no snapshot arena")
         blob = self.arena.region(r.offset, r.size)
         c = self.model.config
-        return restore_state(c, blob, model_id=c.name, revision=self.revision, tokens=Named(r.key, r.tokens))
+        return self.model.import_state(restore_state(c, blob, model_id=c.name, revision=self.revision, tokens=Named(r.key, r.tokens)))
 
     def _snapshot(self, seq: int, key: str) -> SnapshotMade:
-        state = self.states[seq]
+        state = self.model.export_state(self.states[seq])
         blob = snapshot_state(state, self.model.config.name, self.revision, Named(key, state.pos))
         self.snapshots[key] = blob
         return SnapshotMade(seq, key, state.pos, len(blob))
@@ -109,7 +109,9 @@ class Worker:
         return written
 
     def _drop(self, seq: int) -> None:
-        self.states.pop(seq, None)
+        state = self.states.pop(seq, None)
+        if state is not None:
+            self.model.free(state)
         self.samplers.pop(seq, None)
 
     def _fail(self, seq: int, exc: Exception) -> SeqOutput:
@@ -118,22 +120,49 @@ class Worker:
         return SeqOutput(seq, error=f"{type(exc).__name__}: {exc}")
 
 
+def load_worker_model(args: argparse.Namespace):
+    """The reference model on the CPU, or with --gpu the GPU path (from the checkpoint, or from
+    random weights of --random-weights CONFIG's shapes, made on the GPU)."""
+    if args.gpu is None:
+        from dsuf.model import load_model
+
+        return load_model(args.ckpt)
+    import json
+    from pathlib import Path
+
+    from dsuf.gpu.model import GpuModel
+    from dsuf.model.config import load_any_config, parse_config
+
+    device = torch.device("cuda", args.gpu)
+    torch.cuda.set_device(device)
+    if args.random_weights:
+        from dsuf.gpu.weights import model_tensors
+
+        config = parse_config(json.loads(Path(args.random_weights).read_text()), Path(args.random_weights).stem)
+        torch.manual_seed(args.seed)
+        tensors = model_tensors(config, device)
+    else:
+        from dsuf.model.checkpoint import load_tensors
+
+        config = load_any_config(args.ckpt)
+        tensors = load_tensors(args.ckpt, config)
+    return GpuModel(config, tensors, device, max_batch=args.max_batch, max_context=args.max_context)
+
+
 def serve(args: argparse.Namespace) -> int:
     inbox = Channel(Ring.attach(args.inbox), Doorbell.from_fd(args.inbox_fd), ToWorker)
     outbox = Channel(Ring.attach(args.outbox), Doorbell.from_fd(args.outbox_fd), FromWorker)
     parent = os.getppid()
     try:
-        from dsuf.model import load_model
-
         torch.set_num_threads(args.threads)
         began = time.perf_counter()
-        model = load_model(args.ckpt)
+        model = load_worker_model(args)
         num = Numerics.parse(args.numerics)
         worker = Worker(model, num, args.revision, Arena.attach(args.arena) if args.arena else None)
         c = model.config
         outbox.send(Ready(model=c.name, vocab_size=c.vocab_size, eos_token_id=c.eos_token_id, load_seconds=time.perf_counter() - began))
     except Exception as exc:
-        outbox.send(Fatal(f"loading {args.ckpt} failed: {type(exc).__name__}: {exc}"))
+        outbox.send(Fatal(f"loading {args.ckpt or args.random_weights} failed: {type(exc).__name__}: {exc}"))
         raise
     while True:
         msg = inbox.recv(timeout=1.0)
@@ -148,7 +177,12 @@ def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dsuf-worker")
-    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--ckpt", help="checkpoint folder")
+    parser.add_argument("--gpu", type=int, help="run the GPU path on this CUDA device")
+    parser.add_argument("--random-weights", metavar="CONFIG", help="with --gpu: random weights of this config.json's shapes instead of a checkpoint")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --random-weights")
+    parser.add_argument("--max-batch", type=int, default=64, help="GPU path: sequences held at once")
+    parser.add_argument("--max-context", type=int, default=65536, help="GPU path: tokens a sequence may hold")
     parser.add_argument("--numerics", default="reference")
     parser.add_argument("--inbox", required=True)
     parser.add_argument("--inbox-fd", type=int, required=True)
@@ -158,6 +192,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--revision", default="", help="the checkpoint's revision, written into snapshots")
     parser.add_argument("--threads", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     args = parser.parse_args(argv)
+    if not args.ckpt and not args.random_weights:
+        parser.error("--ckpt or --random-weights is required")
+    if args.random_weights and args.gpu is None:
+        parser.error("--random-weights needs --gpu")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     sys.exit(serve(args))
 

@@ -1,0 +1,307 @@
+"""One V4-Flash decode layer on the GPU, for a batch of sequences each at its own position.
+
+Everything that depends on the step's positions is read from device tensors (`StepIndex`), so a
+whole decode step can be captured once as a CUDA graph and replayed for any mix of positions.
+
+Caches (`LayerCache`) hold `slots` sequences side by side. Sequence slot s owns pool entries
+[s·S, s·S + S), S = W + n_max: its window ring (entry pos % W) then its compressed entries (entry
+j covers positions ratio·j … ratio·j + ratio − 1); index keys: rows [s·n_max, s·n_max + n_max);
+compressor states: row s. Nothing needs clearing between sequences: a step reads only what its
+positions make valid (window slots up to pos, entries and keys below (pos + 1) // ratio).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dsuf.model import quant
+from dsuf.model.config import ModelConfig
+from dsuf.model.layers import Rope
+
+from .attention import new_pool, pack_kv, sparse_attention
+from .compressor import compress_decode
+from .indexer import INDEX_ENTRY_BYTES, fp4_quantize, index_scores, topk_indices
+from .linear import BLOCK, Fp8Linear, act_quant
+from .mhc import HcSite, hc_expand
+from .moe import Fp4Experts, Fp8Expert, MoeDecode
+from .norm import hc_collapse_rms_norm, rms_norm
+from .rope import rope_
+from .router import Router
+
+
+def layer_kind(ratio: int) -> str:
+    return "CSA" if ratio == 4 else "HCA" if ratio else "SWA"
+
+
+def layer_rope(c: ModelConfig, ratio: int, device: torch.device) -> Rope:
+    """The layer's rotary table, as v4.Attention builds it (compressed layers: YaRN on the
+    compressed base), on the device."""
+    if ratio:
+        rope = Rope(c.rope_head_dim, c.compress_rope_theta, (c.rope_factor, c.original_seq_len, c.beta_fast, c.beta_slow))
+    else:
+        rope = Rope(c.rope_head_dim, c.rope_theta)
+    rope.freqs = rope.freqs.to(device)
+    return rope
+
+
+def compressor_state(slots: int, ratio: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An empty compressor state per slot (CompressorState's layout): kv 0, score -inf."""
+    coff = 2 if ratio == 4 else 1
+    shape = (slots, coff * ratio, coff * width)
+    return torch.zeros(shape, device=device), torch.full(shape, float("-inf"), device=device)
+
+
+@dataclass
+class LayerCache:
+    """One layer's decode state for `slots` sequences (see the module docstring)."""
+
+    ratio: int
+    slots: int
+    n_max: int  # compressed entries a sequence can have: max_context // ratio
+    pool: torch.Tensor  # uint8 [slots * (W + n_max), 584]
+    comp_kv: torch.Tensor | None = None  # float32 [slots, coff·ratio, coff·512]
+    comp_score: torch.Tensor | None = None
+    keys: torch.Tensor | None = None  # uint8 [slots * n_max, 68] (CSA)
+    idx_kv: torch.Tensor | None = None  # float32 [slots, 8, 256] (CSA's indexer compressor)
+    idx_score: torch.Tensor | None = None
+
+    @staticmethod
+    def new(c: ModelConfig, ratio: int, slots: int, max_context: int, device: torch.device) -> LayerCache:
+        n_max = max_context // ratio if ratio else 0
+        cache = LayerCache(ratio, slots, n_max, new_pool(slots * (c.window_size + n_max), device))
+        if ratio:
+            cache.comp_kv, cache.comp_score = compressor_state(slots, ratio, c.head_dim, device)
+        if ratio == 4:
+            cache.keys = torch.zeros((slots * n_max, INDEX_ENTRY_BYTES), dtype=torch.uint8, device=device)
+            cache.idx_kv, cache.idx_score = compressor_state(slots, 4, c.index_head_dim, device)
+        return cache
+
+    @property
+    def stride(self) -> int:
+        """Pool entries per slot: the window ring, then the compressed entries."""
+        return self.pool.shape[0] // self.slots
+
+    def reset(self, slot: int) -> None:
+        """Empty the compressor states of a slot for a new sequence."""
+        for kv, score in ((self.comp_kv, self.comp_score), (self.idx_kv, self.idx_score)):
+            if kv is not None:
+                kv[slot].zero_()
+                score[slot].fill_(float("-inf"))
+
+
+@dataclass
+class StepIndex:
+    """Where one step's rows read and write in the caches of one kind of layer (by ratio),
+    computed on the device from the rows' slots and positions."""
+
+    positions: torch.Tensor  # int32 [B]
+    cos: torch.Tensor  # float32 [B, 32]: RoPE of each row's position
+    sin: torch.Tensor
+    window_slot: torch.Tensor  # int32 [B]: the pool entry this step's KV goes to
+    attn_idx: torch.Tensor  # int32 [B, W + K]: window entries, then compressed (-1: none)
+    comp_slot: torch.Tensor | None = None  # int32 [B]: the entry a completed group goes to
+    comp_base: torch.Tensor | None = None  # int32 [B]: pool entry of the row's compressed entry 0
+    key_row: torch.Tensor | None = None  # int64 [B]: the index key a completed group goes to
+    key_start: torch.Tensor | None = None  # int32 [B]
+    n_keys: torch.Tensor | None = None  # int32 [B]: index keys visible to the row
+
+
+def step_index(c: ModelConfig, ratio: int, n_max: int, rope: Rope, slots: torch.Tensor, pos: torch.Tensor) -> StepIndex:
+    """slots, pos: int64 [B] on the device (pos = the position of the token each row feeds)."""
+    w = c.window_size
+    stride = w + n_max
+    base = slots * stride
+    j = torch.arange(w, device=pos.device)
+    window = torch.where(j[None, :] <= pos[:, None], base[:, None] + j[None, :], -1)
+    cos, sin = rope.cos_sin(pos)
+    if not ratio:
+        return StepIndex(pos.int(), cos, sin, (base + pos % w).int(), window.int().contiguous())
+    visible = (pos + 1) // ratio  # entries visible once this token is in
+    comp_base = base + w
+    idx = StepIndex(pos.int(), cos, sin, (base + pos % w).int(), window.int(), (comp_base + pos // ratio).int(), comp_base.int())
+    if ratio == 4:
+        picks = torch.full((pos.shape[0], c.index_topk), -1, dtype=torch.int64, device=pos.device)  # top-k fills them
+        idx.attn_idx = torch.cat((window, picks), dim=1).int()
+        idx.key_start = (slots * n_max).int()
+        idx.key_row = slots * n_max + pos // 4
+        idx.n_keys = visible.int()
+    else:
+        e = torch.arange(n_max, device=pos.device)
+        comp = torch.where(e[None, :] < visible[:, None], comp_base[:, None] + e[None, :], -1)
+        idx.attn_idx = torch.cat((window, comp), dim=1).int()
+    return idx
+
+
+@dataclass
+class Stage:
+    name: str
+    by: str  # "kernels", "torch", or a mix
+    run: Callable[[dict], None]
+
+
+def has_mm_out_dtype(device: torch.device) -> bool:
+    """Whether this torch multiplies bf16 matrices into float32 (torch.mm(..., out_dtype=))."""
+    try:
+        torch.mm(torch.ones(2, 8, dtype=torch.bfloat16, device=device), torch.ones(8, 2, dtype=torch.bfloat16, device=device), out_dtype=torch.float32)
+        return True
+    except (TypeError, RuntimeError):
+        return False
+
+
+class DecodeLayer:
+    """One decode layer on the GPU path: the kernels of dsuf.gpu where they exist, torch for the
+    compressors' projections, the indexer's Hadamard rotation of queries, and wo_a."""
+
+    def __init__(self, c: ModelConfig, layer: int, t: dict[str, torch.Tensor], device: torch.device) -> None:
+        p, a, f = f"layers.{layer}", f"layers.{layer}.attn", f"layers.{layer}.ffn"
+        self.c, self.layer, self.ratio = c, layer, c.compress_ratios[layer]
+        self.hash = c.is_hash_layer(layer)
+        self.hc_attn, self.hc_ffn = (
+            HcSite(t[f"{p}.hc_{s}_fn"], t[f"{p}.hc_{s}_base"], t[f"{p}.hc_{s}_scale"], c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters) for s in ("attn", "ffn")
+        )
+        self.attn_norm, self.ffn_norm = t[f"{p}.attn_norm.weight"].float(), t[f"{p}.ffn_norm.weight"].float()
+
+        def fp8(name: str) -> Fp8Linear:
+            return Fp8Linear(t[f"{name}.weight"], t[f"{name}.scale"])
+
+        self.wq_a, self.wq_b, self.wkv, self.wo_b = fp8(f"{a}.wq_a"), fp8(f"{a}.wq_b"), fp8(f"{a}.wkv"), fp8(f"{a}.wo_b")
+        self.q_norm, self.kv_norm = t[f"{a}.q_norm.weight"].float(), t[f"{a}.kv_norm.weight"].float()
+        self.sink = t[f"{a}.attn_sink"].float()
+        # wo_a: the reference dequantises it to bf16 and runs a bf16 einsum (torch here too).
+        self.wo_a = quant.dequant_fp8_weight(t[f"{a}.wo_a.weight"], t[f"{a}.wo_a.scale"], BLOCK).to(torch.bfloat16).view(c.o_groups, c.o_lora_rank, -1)
+        self.rope = layer_rope(c, self.ratio, device)
+        # Every bf16 projection of the attention input in one matrix: the compressor's wkv, wgate,
+        # the indexer compressor's wkv, wgate and the indexer's weights_proj.
+        names = []
+        if self.ratio:
+            names += [f"{a}.compressor.wkv", f"{a}.compressor.wgate"]
+            self.ape, self.comp_norm = t[f"{a}.compressor.ape"].float(), t[f"{a}.compressor.norm.weight"].float()
+        if self.ratio == 4:
+            names += [f"{a}.indexer.compressor.wkv", f"{a}.indexer.compressor.wgate", f"{a}.indexer.weights_proj"]
+            self.idx_ape, self.idx_norm = t[f"{a}.indexer.compressor.ape"].float(), t[f"{a}.indexer.compressor.norm.weight"].float()
+            self.idx_wq_b = fp8(f"{a}.indexer.wq_b")
+        self.proj_split = [t[f"{n}.weight"].shape[0] for n in names]
+        self.mm_out_dtype = has_mm_out_dtype(device)
+        if names:
+            proj = torch.cat([t[f"{n}.weight"] for n in names])
+            self.proj = proj if self.mm_out_dtype else proj.float()
+        self.router = Router(t[f"{f}.gate.weight"], t.get(f"{f}.gate.bias"), t.get(f"{f}.gate.tid2eid"), c.n_activated_experts, c.route_scale)
+        w1, s1, w3, s3, w2, s2 = (stacked_experts(t, f, w, k) for w in ("w1", "w3", "w2") for k in ("weight", "scale"))
+        shared = [t[f"{f}.shared_experts.{w}.{k}"] for w in ("w1", "w3", "w2") for k in ("weight", "scale")]
+        self.moe = MoeDecode(Fp4Experts.from_checkpoint(w1, s1, w3, s3, w2, s2), Fp8Expert(*shared), c.swiglu_limit)
+
+    def torch_parts(self) -> list[str]:
+        parts = ["wo_a (bf16 einsum, as the reference)"]
+        if self.ratio:
+            parts.insert(0, f"compressor projections ({'torch.mm bf16 -> fp32' if self.mm_out_dtype else 'fp32 matmul'})")
+        if self.ratio == 4:
+            parts.insert(1, "indexer: the Hadamard rotation of queries")
+        return parts
+
+    def _project(self, y: torch.Tensor) -> list[torch.Tensor]:
+        """The bf16 projections of y in float32, split per weight."""
+        out = torch.mm(y, self.proj.t(), out_dtype=torch.float32) if self.mm_out_dtype else y.float() @ self.proj.t()
+        return list(out.split(self.proj_split, dim=1))
+
+    def stages(self, cache: LayerCache, ix: StepIndex) -> list[Stage]:
+        """The decode step of this layer as stages over a buffer dict: reads f"x{layer}" (bf16
+        [B, 4, D]), "ids" (int64 [B]), "slots" and "pos" (int64 [B]); writes f"x{layer + 1}".
+        In-place ops touch only tensors made in the same stage (and the caches), so any stage can
+        be replayed alone."""
+        c, L, ratio = self.c, self.layer, self.ratio
+        heads, hd = c.n_heads, c.head_dim
+        kind = layer_kind(ratio)
+
+        def mhc_attn(b: dict) -> None:
+            b[f"{L}.pre"], b[f"{L}.post"], b[f"{L}.comb"] = self.hc_attn.coefficients(b[f"x{L}"])
+            b[f"{L}.y"] = hc_collapse_rms_norm(b[f"x{L}"], b[f"{L}.pre"], self.attn_norm, c.norm_eps)
+
+        def qkv(b: dict) -> None:
+            rows = b[f"{L}.y"].shape[0]
+            xq, sx = act_quant(b[f"{L}.y"])
+            qr = rms_norm(self.wq_a.forward_quantized(xq, sx), self.q_norm, c.norm_eps)
+            b[f"{L}.qr_q"] = act_quant(qr)
+            q = rms_norm(self.wq_b.forward_quantized(*b[f"{L}.qr_q"]).view(rows, heads, hd), None, c.norm_eps)
+            b[f"{L}.q"] = rope_(q, ix.cos, ix.sin)
+            kv = rms_norm(self.wkv.forward_quantized(xq, sx), self.kv_norm, c.norm_eps)
+            rope_(kv.view(rows, 1, hd), ix.cos, ix.sin)
+            pack_kv(kv, cache.pool, ix.window_slot)
+
+        def compress(b: dict) -> None:
+            # The compressor kernel works on the rows' own states: gathered by slot, put back after.
+            slots = b["slots"]
+            parts = self._project(b[f"{L}.y"])
+            kv, score = cache.comp_kv[slots], cache.comp_score[slots]
+            compress_decode(parts[0], parts[1], ix.positions, kv, score, self.ape, self.comp_norm, self.rope.freqs, c.norm_eps, cache.pool, ix.comp_slot)
+            cache.comp_kv[slots], cache.comp_score[slots] = kv, score
+            if ratio == 4:
+                kv, score = cache.idx_kv[slots], cache.idx_score[slots]
+                compress_decode(parts[2], parts[3], ix.positions, kv, score, self.idx_ape, self.idx_norm, self.rope.freqs, c.norm_eps, cache.keys, ix.key_row)
+                cache.idx_kv[slots], cache.idx_score[slots] = kv, score
+                b[f"{L}.weights"] = parts[4].to(torch.bfloat16).float() * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
+
+        def index_query(b: dict) -> None:
+            rows = b[f"{L}.y"].shape[0]
+            qi = self.idx_wq_b.forward_quantized(*b[f"{L}.qr_q"]).view(rows, c.index_n_heads, c.index_head_dim)
+            b[f"{L}.qi"] = fp4_quantize(quant.hadamard_transform(rope_(qi, ix.cos, ix.sin)))
+
+        def index_select(b: dict) -> None:
+            scores = index_scores(*b[f"{L}.qi"], b[f"{L}.weights"], cache.keys, ix.key_start, ix.n_keys, cache.n_max)
+            topk_indices(scores, ix.n_keys, c.index_topk, out=ix.attn_idx, out_col=c.window_size, offset=ix.comp_base)
+
+        def attend(b: dict) -> None:
+            o = sparse_attention(b[f"{L}.q"], cache.pool, ix.attn_idx, self.sink, hd**-0.5)
+            b[f"{L}.o"] = rope_(o, ix.cos, ix.sin, inverse=True)
+
+        def wo_a(b: dict) -> None:
+            rows = b[f"{L}.o"].shape[0]
+            b[f"{L}.oa"] = torch.einsum("tgd,grd->tgr", b[f"{L}.o"].view(rows, c.o_groups, -1), self.wo_a).flatten(1)
+
+        def wo_b_expand(b: dict) -> None:
+            b[f"{L}.attn"] = self.wo_b(b[f"{L}.oa"])
+            b[f"{L}.xa"] = hc_expand(b[f"{L}.attn"], b[f"x{L}"], b[f"{L}.post"], b[f"{L}.comb"])
+
+        def mhc_ffn_route(b: dict) -> None:
+            b[f"{L}.pre2"], b[f"{L}.post2"], b[f"{L}.comb2"] = self.hc_ffn.coefficients(b[f"{L}.xa"])
+            b[f"{L}.y2"] = hc_collapse_rms_norm(b[f"{L}.xa"], b[f"{L}.pre2"], self.ffn_norm, c.norm_eps)
+            b[f"{L}.route"] = self.router(b[f"{L}.y2"], b["ids"])
+
+        def moe_expand(b: dict) -> None:
+            b[f"{L}.moe"] = self.moe(b[f"{L}.y2"], *b[f"{L}.route"])
+            b[f"x{L + 1}"] = hc_expand(b[f"{L}.moe"], b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
+
+        out = [
+            Stage(f"L{L} mHC coefficients + collapse + norm", "kernels", mhc_attn),
+            Stage(f"L{L} q / kv projections, norms, RoPE, window write", "kernels", qkv),
+        ]
+        if ratio:
+            out.append(Stage(f"L{L} {kind} compressor{'s' if ratio == 4 else ''} (projections; pooling, norm, RoPE, entry write)", "torch + kernels", compress))
+        if ratio == 4:
+            out += [
+                Stage(f"L{L} indexer query (wq_b, RoPE, FP4; Hadamard in torch)", "kernels + torch", index_query),
+                Stage(f"L{L} index scores + top-{c.index_topk}", "kernels", index_select),
+            ]
+        out += [
+            Stage(f"L{L} sparse attention ({kind}) + inverse RoPE", "kernels", attend),
+            Stage(f"L{L} wo_a (bf16 einsum)", "torch", wo_a),
+            Stage(f"L{L} wo_b + mHC expand", "kernels", wo_b_expand),
+            Stage(f"L{L} mHC + router{' (hash)' if self.hash else ''}", "kernels", mhc_ffn_route),
+            Stage(f"L{L} MoE (6 routed FP4 + shared FP8) + mHC expand", "kernels", moe_expand),
+        ]
+        return out
+
+
+def stacked_experts(t: dict[str, torch.Tensor], ffn: str, w: str, kind: str) -> torch.Tensor:
+    """The routed experts' `w` tensors stacked [E, ...] (random weights keep them stacked already)."""
+    stacked = t.get(f"{ffn}.experts.stacked.{w}.{kind}")
+    if stacked is not None:
+        return stacked
+    e = 0
+    parts = []
+    while (part := t.get(f"{ffn}.experts.{e}.{w}.{kind}")) is not None:
+        parts.append(part)
+        e += 1
+    return torch.stack(parts)

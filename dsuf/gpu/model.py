@@ -1,0 +1,203 @@
+"""V4-Flash on one GPU: the worker's model when it serves with `--gpu`.
+
+It answers the reference model's serving interface (`new_state`, `forward_batch`, `free`, and
+`export_state` / `import_state` for conversation caches), so the worker and the scheduler do not
+care which path runs. Sequences live in slots of preallocated caches (`layer.LayerCache`) of
+`max_batch` sequences of up to `max_context` tokens; slot 0 is scratch for padding rows.
+
+A step feeds one token to each of B rows, every row at its own position. The step (index
+computation, embedding, the layers, the head) is captured as one CUDA graph per batch-size
+bucket on first use and replayed after: the host only copies the rows' token ids, slots and
+positions in and the logits it samples from out. Prompts run through the same step one token at a
+time (prefill kernels come later), so prefill, chunked prefill and decode are one computation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsuf.model.config import ModelConfig
+from dsuf.model.layers import Numerics
+from dsuf.model.state import CompressorState, SequenceState, StateError
+
+from .attention import pack_kv, unpack_kv
+from .indexer import pack_index_keys, unpack_index_keys
+from .layer import DecodeLayer, LayerCache, StepIndex, has_mm_out_dtype, step_index
+from .norm import rms_norm
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class GpuSequence:
+    """A sequence's place in the caches: its slot, and how many tokens it has fed (`pos`)."""
+
+    def __init__(self, slot: int) -> None:
+        self.slot, self.pos = slot, 0
+
+
+class GpuModel:
+    def __init__(self, c: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device, max_batch: int = 8,
+                 max_context: int = 65536, graphs: bool = True) -> None:
+        if c.family != "v4":
+            raise ValueError(f"the GPU path runs V4-Flash only so far, not {c.family}")
+        if max_context % 128 or max_context < 128:
+            raise ValueError(f"max_context must be a positive multiple of 128, got {max_context}")
+        self.config, self.device, self.max_context, self.graphs = c, device, max_context, graphs
+        on = {k: v.to(device) for k, v in tensors.items() if not k.startswith("mtp.")}
+        self.embed, self.head = on["embed.weight"], on["head.weight"]
+        self.norm = on["norm.weight"].float()
+        self.hc_fn, self.hc_base, self.hc_scale = (on[f"hc_head_{k}"].float() for k in ("fn", "base", "scale"))
+        if not has_mm_out_dtype(device):  # float32 logits need a float32 head then
+            self.head = self.head.float()
+        self.layers = [DecodeLayer(c, i, on, device) for i in range(c.n_layers)]
+        del on
+        slots = max_batch + 1
+        self.caches = [LayerCache.new(c, layer.ratio, slots, max_context, device) for layer in self.layers]
+        self.free_slots = list(range(slots - 1, 0, -1))
+        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        top = self.buckets[-1]
+        self.dev_in = torch.zeros((3, top), dtype=torch.int64, device=device)  # ids, slots, positions
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if graphs else None
+
+    # ---- sequences --------------------------------------------------------------------------------
+
+    def new_state(self, num: Numerics | None = None) -> GpuSequence:
+        if not self.free_slots:
+            raise RuntimeError(f"all {self.buckets[-1]} sequence slots of this worker are taken")
+        seq = GpuSequence(self.free_slots.pop())
+        for cache in self.caches:
+            cache.reset(seq.slot)
+        return seq
+
+    def free(self, seq: GpuSequence) -> None:
+        if seq.slot:
+            self.free_slots.append(seq.slot)
+            seq.slot = 0
+
+    # ---- the step ---------------------------------------------------------------------------------
+
+    def _indices(self, slots: torch.Tensor, pos: torch.Tensor) -> dict[int, StepIndex]:
+        out: dict[int, StepIndex] = {}
+        for layer, cache in zip(self.layers, self.caches):
+            if layer.ratio not in out:
+                out[layer.ratio] = step_index(self.config, layer.ratio, cache.n_max, layer.rope, slots, pos)
+        return out
+
+    def _step(self, rows: int) -> torch.Tensor:
+        """One token for each of the first `rows` rows of the device inputs -> logits float32 [rows, vocab]."""
+        c = self.config
+        ids, slots, pos = self.dev_in[:, :rows]
+        index = self._indices(slots, pos)
+        x = self.embed[ids].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        buf = {"x0": x, "ids": ids, "slots": slots, "pos": pos}
+        for layer, cache in zip(self.layers, self.caches):
+            for stage in layer.stages(cache, index[layer.ratio]):
+                stage.run(buf)
+        return self._logits(buf[f"x{c.n_layers}"])
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head: the streams collapsed with sigmoid weights (HyperHead), RMSNorm, the vocabulary projection."""
+        c = self.config
+        flat = x.flatten(1).float()
+        mix = (flat @ self.hc_fn.t()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + c.norm_eps)
+        pre = torch.sigmoid(mix * self.hc_scale[0] + self.hc_base) + c.hc_eps
+        h = rms_norm((pre.unsqueeze(-1) * x.float()).sum(1).to(torch.bfloat16), self.norm, c.norm_eps)
+        if self.head.dtype == torch.float32:
+            return h.float() @ self.head.t()
+        return torch.mm(h, self.head.t(), out_dtype=torch.float32)
+
+    def step(self, rows: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Feed one token to each (slot, position, token id); logits float32 [len(rows), vocab] on the device."""
+        n = len(rows)
+        bucket = next(b for b in self.buckets if b >= n)
+        if self.graphs and bucket not in self._graphs:
+            self._capture(bucket)
+        inputs = torch.zeros((3, self.buckets[-1]), dtype=torch.int64)  # padding rows: slot 0 (scratch), position 0, token 0
+        inputs[:, :n] = torch.tensor([[t for _, _, t in rows], [s for s, _, _ in rows], [p for _, p, _ in rows]]).view(3, n)
+        self.dev_in.copy_(inputs)  # a blocking copy: the previous step's replay has read its inputs by now
+        if not self.graphs:
+            return self._step(bucket)[:n]
+        graph, logits = self._graphs[bucket]
+        graph.replay()
+        return logits[:n]
+
+    def _capture(self, bucket: int) -> None:
+        """Capture the step of `bucket` rows, after one eager run (it loads every kernel and settles
+        torch's lazy state) on padding rows only, so that no sequence's caches move."""
+        self.dev_in.zero_()
+        self._step(bucket)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._step(bucket)
+        self._graphs[bucket] = (graph, logits)
+
+    @torch.inference_mode()
+    def forward_batch(self, batch: list[tuple[torch.Tensor, GpuSequence]], num: Numerics | None = None) -> list[torch.Tensor]:
+        """The reference model's contract: feed each sequence its new tokens, return the logits
+        after each sequence's last new token (float32 [1, vocab] on the CPU)."""
+        for tokens, seq in batch:
+            if seq.pos + len(tokens) > self.max_context:
+                raise ValueError(f"a sequence of {seq.pos + len(tokens)} tokens exceeds this worker's context of {self.max_context}")
+        out: list[torch.Tensor | None] = [None] * len(batch)
+        longest = max((len(tokens) for tokens, _ in batch), default=0)
+        for t in range(longest):
+            live = [i for i, (tokens, _) in enumerate(batch) if t < len(tokens)]
+            logits = self.step([(batch[i][1].slot, batch[i][1].pos, int(batch[i][0][t])) for i in live])
+            for row, i in enumerate(live):
+                batch[i][1].pos += 1
+                if t == len(batch[i][0]) - 1:
+                    out[i] = logits[row : row + 1].cpu()
+        return out  # type: ignore[return-value]
+
+    # ---- conversation caches: the reference's SequenceState on the host --------------------------
+
+    def export_state(self, seq: GpuSequence) -> SequenceState:
+        """The sequence's state in the reference layout (CPU tensors; KV rows are what the FP8 / FP4
+        entries decode to, bit for bit what the reference would hold)."""
+        c = self.config
+        host = SequenceState.new(c, torch.bfloat16)
+        host.pos = seq.pos
+        for layer, cache, st in zip(self.layers, self.caches, host.layers):
+            base, w = seq.slot * cache.stride, c.window_size
+            st.window = unpack_kv(cache.pool[base : base + w]).cpu()
+            st.window[seq.pos :] = 0  # ring slots not written yet: canonical zeros, as the reference keeps them
+            if layer.ratio:
+                st.compressed = unpack_kv(cache.pool[base + w : base + w + seq.pos // layer.ratio]).cpu()
+                st.compressor = CompressorState(cache.comp_kv[seq.slot].cpu(), cache.comp_score[seq.slot].cpu())
+            if layer.ratio == 4:
+                first = seq.slot * cache.n_max
+                st.index_keys = unpack_index_keys(cache.keys[first : first + seq.pos // 4]).to(torch.bfloat16).cpu()
+                st.indexer = CompressorState(cache.idx_kv[seq.slot].cpu(), cache.idx_score[seq.slot].cpu())
+        return host
+
+    def import_state(self, host: SequenceState) -> GpuSequence:
+        """A sequence resumed from a reference-layout state (a conversation cache). MTP windows are
+        not kept: the GPU path does not run the MTP layer yet."""
+        c = self.config
+        if host.pos > self.max_context:
+            raise StateError(f"a cached prefix of {host.pos} tokens exceeds this worker's context of {self.max_context}")
+        seq = self.new_state()
+        try:
+            for layer, cache, st in zip(self.layers, self.caches, host.layers):
+                base, w = seq.slot * cache.stride, c.window_size
+                pack_kv(st.window.to(self.device, torch.bfloat16), cache.pool, self._entries(base, w))
+                if layer.ratio:
+                    n = st.compressed.shape[0]
+                    if n:
+                        pack_kv(st.compressed.to(self.device, torch.bfloat16), cache.pool, self._entries(base + w, n))
+                    cache.comp_kv[seq.slot], cache.comp_score[seq.slot] = st.compressor.kv, st.compressor.score
+                if layer.ratio == 4:
+                    n = st.index_keys.shape[0]
+                    if n:
+                        rows = torch.arange(seq.slot * cache.n_max, seq.slot * cache.n_max + n, device=self.device)
+                        pack_index_keys(st.index_keys.to(self.device, torch.bfloat16), cache.keys, rows)
+                    cache.idx_kv[seq.slot], cache.idx_score[seq.slot] = st.indexer.kv, st.indexer.score
+        except Exception:
+            self.free(seq)
+            raise
+        seq.pos = host.pos
+        return seq
+
+    def _entries(self, first: int, n: int) -> torch.Tensor:
+        return torch.arange(first, first + n, dtype=torch.int32, device=self.device)
