@@ -50,6 +50,8 @@ class GpuModel:
         if not has_mm_out_dtype(device):  # float32 logits need a float32 head then
             self.head = self.head.float()
         self.layers = [DecodeLayer(c, i, on, device) for i in range(c.n_layers)]
+        for layer in self.layers:
+            layer.moe.reserve(max_batch * c.n_activated_experts)
         del on
         slots = max_batch + 1
         self.caches = [LayerCache.new(c, layer.ratio, slots, max_context, device) for layer in self.layers]

@@ -107,6 +107,14 @@ class MoeDecode:
         self.shared_counter = torch.zeros(rows // CTA_ROWS, dtype=torch.int32, device=device)
         self.side: torch.cuda.Stream | None = None
 
+    def reserve(self, pairs: int) -> None:
+        """Size the routed launches' arrival counters for up to `pairs` (token, expert) pairs now:
+        a CUDA graph captured before a larger batch must not keep a pointer to counters that the
+        larger batch would reallocate."""
+        rows = max(self.routed.w1.shape[1], self.routed.w2.shape[1])
+        if self.counter.numel() < pairs * (rows // CTA_ROWS):
+            self.counter = torch.zeros(pairs * (rows // CTA_ROWS), dtype=torch.int32, device=self.counter.device)
+
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x bf16 [T, D]; weights float32 [T, k] and idx [T, k] from the router -> bf16 [T, D]."""
         t, k = idx.shape

