@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import shutil
@@ -191,11 +190,12 @@ def parse_gpus(text: str | None) -> list[int]:
 
 
 def random_weights_config(path: Path):
-    """The model config of --random-weights CONFIG (a config.json), named after the file."""
-    from dsuf.model.config import ConfigError, parse_config
+    """The model config of --random-weights CONFIG (a config.json)."""
+    from dsuf.gpu import weights
+    from dsuf.model.config import ConfigError
 
     try:
-        config = parse_config(json.loads(path.read_text()), f"random-{path.stem}")
+        config = weights.random_weights_config(path)
     except (OSError, ValueError, ConfigError) as exc:
         raise SystemExit(f"dsuf: --random-weights {path}: {exc}") from None
     if config.family != "v4":

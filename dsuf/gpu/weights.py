@@ -6,12 +6,14 @@ so activations stay in range through many layers."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 
 from dsuf.model import quant
-from dsuf.model.config import ModelConfig
+from dsuf.model.config import ModelConfig, parse_config
 
 from .linear import BLOCK
 
@@ -151,3 +153,9 @@ def model_tensors(c: ModelConfig, device: torch.device, layers: range | None = N
     for i in layers if layers is not None else range(c.n_layers):
         t |= layer_tensors(c, i, device)
     return t
+
+
+def random_weights_config(path: Path) -> ModelConfig:
+    """The config of `--random-weights CONFIG` (a config.json), named after the file: the front end
+    and the worker must agree on the name, which conversation caches record."""
+    return parse_config(json.loads(path.read_text()), f"random-{path.stem}")

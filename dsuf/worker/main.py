@@ -127,18 +127,17 @@ def load_worker_model(args: argparse.Namespace):
         from dsuf.model import load_model
 
         return load_model(args.ckpt)
-    import json
     from pathlib import Path
 
     from dsuf.gpu.model import GpuModel
-    from dsuf.model.config import load_any_config, parse_config
+    from dsuf.model.config import load_any_config
 
     device = torch.device("cuda", args.gpu)
     torch.cuda.set_device(device)
     if args.random_weights:
-        from dsuf.gpu.weights import model_tensors
+        from dsuf.gpu.weights import model_tensors, random_weights_config
 
-        config = parse_config(json.loads(Path(args.random_weights).read_text()), Path(args.random_weights).stem)
+        config = random_weights_config(Path(args.random_weights))
         torch.manual_seed(args.seed)
         tensors = model_tensors(config, device)
     else:
