@@ -25,6 +25,7 @@ What it measures:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -61,20 +62,26 @@ def _random_state(kv: torch.Tensor, score: torch.Tensor, ratio: int) -> None:
 
 def random_caches(c: ModelConfig, ratio: int, batch: int, context: int, device: torch.device) -> LayerCache:
     """Slots 0..batch-1 at position context - 1 (the step that completes a compressed group in
-    both kinds of layer): every window and compressed entry and index key random, in their cache
-    formats, and random compressor states."""
+    both kinds of layer)."""
     cache = LayerCache.new(c, ratio, batch, context, device)
+    fill_random(c, cache)
+    return cache
+
+
+def fill_random(c: ModelConfig, cache: LayerCache) -> None:
+    """Every window and compressed entry and index key of every slot random, in their cache
+    formats, and compressor states whose group completes at the next token."""
+    device = cache.pool.device
     entries = cache.pool.shape[0]
     rows = torch.randn(entries, c.head_dim, device=device) * torch.exp2(torch.randint(-2, 2, (entries, c.head_dim // 64), device=device).float()).repeat_interleave(64, 1)
     pack_kv(rows.to(torch.bfloat16), cache.pool)
-    if ratio:
-        _random_state(cache.comp_kv, cache.comp_score, ratio)
-    if ratio == 4:
+    if cache.ratio:
+        _random_state(cache.comp_kv, cache.comp_score, cache.ratio)
+    if cache.ratio == 4:
         n = cache.keys.shape[0]
         keys = torch.randn(n, c.index_head_dim, device=device) * torch.exp2(torch.randint(-3, 3, (n, 4), device=device).float()).repeat_interleave(32, 1)
         pack_index_keys(keys.to(torch.bfloat16), cache.keys, torch.arange(n, device=device))
         _random_state(cache.idx_kv, cache.idx_score, 4)
-    return cache
 
 
 def compressor_states(cache: LayerCache) -> list[torch.Tensor]:
@@ -286,6 +293,7 @@ class Result:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=2, help="decode layers to run (default 2)")
+    p.add_argument("--model", action="store_true", help="time the worker's whole step (embedding, layers 0..N-1, head) instead")
     p.add_argument("--first-layer", type=int, default=2, help="first layer (default 2: a CSA layer with hash routing, then an HCA layer)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
     p.add_argument("--context", type=int, nargs="+", default=[4096, 65536], help="context lengths, multiples of 128 (default 4096 65536)")
@@ -295,6 +303,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="also print the CUDA kernels of one eager step of the first configuration (torch.profiler)")
     p.add_argument("--config", help="a config.json to take the shapes from (default: V4-Flash's, built in)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def head_bytes(c: ModelConfig, batch: int) -> int:
+    """What the embedding and the head read a step: the rows embedded, the bf16 vocabulary
+    projection, the final norm and mHC collapse."""
+    return batch * c.dim * 2 + c.vocab_size * c.dim * 2 + c.dim * 2 + c.hc_mult * (c.hc_mult * c.dim + 2) * 4
+
+
+def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, bw: float) -> int:
+    """`--model`: the worker's whole decode step (dsuf.gpu.model: step indices, embedding, layers
+    0 .. --layers-1, head) as the server replays it, per batch and context."""
+    from .model import GpuModel
+    from .weights import model_tensors
+
+    n = args.layers
+    small = dataclasses.replace(c, n_layers=n, compress_ratios=c.compress_ratios[:n], n_mtp_layers=0)
+    print(f"whole model: layers 0..{n - 1} ({', '.join(layer_kind(r) for r in small.compress_ratios)}) + embedding + head", flush=True)
+    rows_out = []
+    for ctx in args.context:
+        # One model per context, as a server of that context would hold it; it takes the weights
+        # over layer by layer, so they are never held twice.
+        model = GpuModel(small, model_tensors(small, device), device, max_batch=max(args.batch), max_context=ctx)
+        for cache in model.caches:
+            fill_random(small, cache)
+        n_comp = {cache.ratio: cache.n_max for cache in model.caches}
+        for batch in args.batch:
+            rows = [(slot, ctx - 1, int(t)) for slot, t in zip(range(1, batch + 1), torch.randint(0, c.vocab_size, (batch,)))]
+            model.step(rows)  # captures the bucket's graph
+            step_us = replay_us(model._graphs[next(b for b in model.buckets if b >= batch)][0], args.reps)
+            nbytes = head_bytes(small, batch) + sum(
+                step_bytes(small, i, batch, n_comp[r], min(c.n_routed_experts, batch * c.n_activated_experts)) for i, r in enumerate(small.compress_ratios))
+            floor = nbytes / bw * 1e6
+            rows_out.append((batch, ctx, step_us, nbytes, floor))
+            print(f"  batch {batch}, context {ctx}: {step_us:.1f} µs a step = {batch * 1e6 / step_us:.0f} tokens/s "
+                  f"({nbytes / 1e6:.0f} MB, floor {floor:.1f} µs, {step_us / floor:.1f}x)", flush=True)
+        del model
+        torch.cuda.empty_cache()
+    print(f"\n### dsuf bench --model: embedding + {n} V4-Flash layers + head, one CUDA graph per step (median of {args.reps} replays); "
+          f"routed experts counted as batch x 6 distinct; floor = bytes / {bw / 1e9:.0f} GB/s")
+    print("\n| batch | context | step µs | tokens/s | MB read | floor µs | × floor |")
+    print("|---|---|---|---|---|---|---|")
+    for batch, ctx, us, nbytes, floor in rows_out:
+        print(f"| {batch} | {ctx} | {us:.1f} | {batch * 1e6 / us:.0f} | {nbytes / 1e6:.0f} | {floor:.1f} | {us / floor:.1f} |")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -319,6 +371,8 @@ def run(args: argparse.Namespace) -> int:
           f"batch {args.batch}, context {args.context}", flush=True)
     bw = copy_bandwidth(device)
     print(f"device-to-device copy: {bw / 1e9:.0f} GB/s (read + write)", flush=True)
+    if args.model:
+        return bench_model(c, args, device, bw)
 
     tensors: dict[str, torch.Tensor] = {}
     fast = []

@@ -36,6 +36,9 @@ class GpuSequence:
 
 
 class GpuModel:
+    """Takes the tensors it uses (checkpoint names; the MTP layers are not run yet) out of
+    `tensors` as it converts them."""
+
     def __init__(self, c: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device, max_batch: int = 8,
                  max_context: int = 65536, graphs: bool = True) -> None:
         if c.family != "v4":
@@ -43,22 +46,26 @@ class GpuModel:
         if max_context % 128 or max_context < 128:
             raise ValueError(f"max_context must be a positive multiple of 128, got {max_context}")
         self.config, self.device, self.max_context, self.graphs = c, device, max_context, graphs
-        on = {k: v.to(device) for k, v in tensors.items() if not k.startswith("mtp.")}
-        self.embed, self.head = on["embed.weight"], on["head.weight"]
-        self.norm = on["norm.weight"].float()
-        self.hc_fn, self.hc_base, self.hc_scale = (on[f"hc_head_{k}"].float() for k in ("fn", "base", "scale"))
+
+        def take(prefix: str) -> dict[str, torch.Tensor]:
+            return {k: tensors.pop(k).to(device) for k in [k for k in tensors if k.startswith(prefix)]}
+
+        head = take("embed.") | take("head.") | take("norm.") | take("hc_head_")
+        self.embed, self.head = head["embed.weight"], head["head.weight"]
+        self.norm = head["norm.weight"].float()
+        self.hc_fn, self.hc_base, self.hc_scale = (head[f"hc_head_{k}"].float() for k in ("fn", "base", "scale"))
         if not has_mm_out_dtype(device):  # float32 logits need a float32 head then
             self.head = self.head.float()
-        self.layers = [DecodeLayer(c, i, on, device) for i in range(c.n_layers)]
+        # Layer by layer, dropping each layer's checkpoint tensors once converted, so the weights
+        # are never all held twice (the experts' kernel layout is a copy).
+        self.layers = [DecodeLayer(c, i, take(f"layers.{i}."), device) for i in range(c.n_layers)]
         for layer in self.layers:
             layer.moe.reserve(max_batch * c.n_activated_experts)
-        del on
         slots = max_batch + 1
         self.caches = [LayerCache.new(c, layer.ratio, slots, max_context, device) for layer in self.layers]
         self.free_slots = list(range(slots - 1, 0, -1))
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
-        top = self.buckets[-1]
-        self.dev_in = torch.zeros((3, top), dtype=torch.int64, device=device)  # ids, slots, positions
+        self.dev_in = torch.zeros((3, max_batch), dtype=torch.int64, device=device)  # ids, slots, positions
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
 
@@ -137,7 +144,8 @@ class GpuModel:
     @torch.inference_mode()
     def forward_batch(self, batch: list[tuple[torch.Tensor, GpuSequence]], num: Numerics | None = None) -> list[torch.Tensor]:
         """The reference model's contract: feed each sequence its new tokens, return the logits
-        after each sequence's last new token (float32 [1, vocab] on the CPU)."""
+        after each sequence's last new token (float32 [1, vocab], on the GPU: the worker samples
+        there, and only the chosen token crosses to the host)."""
         for tokens, seq in batch:
             if seq.pos + len(tokens) > self.max_context:
                 raise ValueError(f"a sequence of {seq.pos + len(tokens)} tokens exceeds this worker's context of {self.max_context}")
@@ -149,7 +157,7 @@ class GpuModel:
             for row, i in enumerate(live):
                 batch[i][1].pos += 1
                 if t == len(batch[i][0]) - 1:
-                    out[i] = logits[row : row + 1].cpu()
+                    out[i] = logits[row : row + 1].clone()  # the graph's output buffer is reused
         return out  # type: ignore[return-value]
 
     # ---- conversation caches: the reference's SequenceState on the host --------------------------

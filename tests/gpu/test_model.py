@@ -44,9 +44,9 @@ def models():
     c = small_config()
     t = model_tensors(c, device)
     t["layers.3.ffn.gate.bias"] = 10 * torch.randn(c.n_routed_experts, device=device)
-    gpu = GpuModel(c, t, device, max_batch=4, max_context=4096)
     with torch.device(device):
         ref = V4Model(c, t)
+    gpu = GpuModel(c, t, device, max_batch=4, max_context=4096)  # takes the tensors over (the reference keeps its own references)
     yield c, gpu, ref, device
     del gpu, ref, t
     torch.cuda.empty_cache()
