@@ -10,6 +10,10 @@
 - attention.py  FP8 KV entries (584 bytes) and sparse MQA decode over them, flash-decoding splits
 - indexer.py  the lightning indexer at decode: FP4 index-key scores, top-k
 - router.py   the MoE router (sqrt-softplus scores, biased top-k or hash routing)
+- compressor.py  one decode step of the KV compressors (pooling, norm, RoPE, entry write, state)
+- layer.py    a decode layer for a batch of sequences each at its own position, and its caches
+- model.py    the GPU worker's model: slots, one CUDA graph per batch bucket, snapshots
+- weights.py  random weights of the real shapes in checkpoint formats (bench, --random-weights)
 - bench.py    `dsuf bench`: decode layers end to end against the HBM floor and the reference path
 
 Every kernel reproduces the reference numerics of `dsuf.model.layers` (tests/gpu check each one
