@@ -186,3 +186,37 @@ def test_sequences_beyond_the_context_or_the_slots_are_refused(models) -> None:
         gpu.new_state()
     for s in held + [seq]:
         gpu.free(s)
+
+
+# V4-Flash's layer shapes (the ones the kernels are written for) in a four-layer, eight-expert checkpoint.
+GPU_TINY = {
+    "hidden_size": 4096, "head_dim": 512, "num_attention_heads": 64, "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8,
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "moe_intermediate_size": 2048, "n_routed_experts": 8,
+    "num_experts_per_tok": 6, "num_hidden_layers": 4, "num_hash_layers": 4, "sliding_window": 128, "vocab_size": 4096,
+    "num_nextn_predict_layers": 1, "compress_ratios": [0, 4, 128, 4, 0],
+}
+
+
+def test_a_checkpoint_in_the_released_layout_runs_on_the_gpu(tmp_path) -> None:
+    """dsuf make-tiny's layout (per-expert tensors, safetensors shards, E8M0 scales) loaded onto the
+    GPU path: the same logits as the reference model from the same files."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    from dsuf.gpu.model import GpuModel
+    from dsuf.model.checkpoint import load_tensors
+    from dsuf.model.tiny import make_tiny
+    from dsuf.model.v4 import V4Model
+
+    device = torch.device("cuda")
+    c = make_tiny(tmp_path / "ckpt", "v4", seed=11, overrides=GPU_TINY)
+    tensors = {k: v.to(device) for k, v in load_tensors(tmp_path / "ckpt", c).items()}
+    with torch.device(device):
+        ref = V4Model(c, tensors)
+    gpu = GpuModel(c, tensors, device, max_batch=2, max_context=1024)
+    tokens = torch.randint(0, c.vocab_size, (140,))  # past a window, an HCA group and many CSA groups
+    want = reference_logits(ref, c, device, tokens, 136)
+    seq = gpu.new_state()
+    got = gpu_logits(gpu, tokens, 136, seq)
+    errors = [rel(g, w) for g, w in zip(got, want)]
+    print(f"  tiny checkpoint on the GPU: logits rel err {', '.join(f'{e:.1e}' for e in errors)}")
+    assert max(errors) < CHAOS
