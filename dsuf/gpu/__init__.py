@@ -3,6 +3,7 @@
 - build.py    NVRTC compilation and the on-disk CUBIN cache (`dsuf build-kernels`)
 - runtime.py  loading CUBINs with the driver API, launching on torch's current stream
 - linear.py   FP8 activation quantisation and block-scaled FP8 linears (decode batches)
+- gemv.py     bf16-activation GEMVs: the compressors' bf16 projections, wo_a's grouped FP8 weight
 - moe.py      the decode MoE: routed FP4 experts and the FP8 shared expert
 - norm.py     RMSNorm, alone and fused with the mHC stream collapse
 - mhc.py      mHC coefficients (mixes, Sinkhorn) and the stream update

@@ -1,0 +1,160 @@
+"""Memory-bound GEMVs with bf16 activations for decode batches (kernels_cu/gemv.cu).
+
+Two decode projections read a large weight for a few tokens, so their time is the weight's bytes
+over HBM bandwidth:
+
+- `bf16_gemv`: the compressors' bf16 projections with float32 output, as the reference's
+  `torch.mm(y, proj.t(), out_dtype=torch.float32)`.
+- `fp8_grouped_gemv`: wo_a, read as FP8 (half the bytes of the bf16 weight the reference
+  dequantises to) and turned into that exact bf16 weight in registers, then bf16 products with
+  fp32 accumulation and a bf16 output, as the reference's grouped einsum.
+
+Up to 64 tokens go through one launch (larger batches are cut into 64-token slices). K is split
+over the CTAs of a thread-block cluster, whose partial sums meet in distributed shared memory in a
+fixed order: results are deterministic and a launch keeps no state (no scratch, no counters), so
+any call may be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .linear import BLOCK, scale_bytes, sm_count
+from .runtime import get_kernel
+
+TILE = 64  # weight rows a CTA
+MAX_TOKENS = 64  # tokens a launch (8 mma columns x 8)
+SPLITS = (1, 2, 4, 8)  # CTAs of a cluster sharing a tile's K range (kernels _s1 .. _s8)
+SHARED_MAX = 227 << 10  # dynamic shared memory a CTA may opt into on sm_90 / sm_100
+BF16, FP8 = "bf16", "fp8"
+
+
+class GemvParams(ctypes.Structure):
+    """Mirror of `struct GemvParams` in kernels_cu/gemv.cu (pointers first: no padding)."""
+
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("ws", ctypes.c_void_p),
+        ("x", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("rows", ctypes.c_int),
+        ("K", ctypes.c_int),
+        ("M", ctypes.c_int),
+        ("ldx", ctypes.c_int),
+        ("group_rows", ctypes.c_int),
+    ]
+
+
+def _tokens(m: int) -> int:
+    """Token columns of the kernel serving m tokens: 8, 16, 32 or 64."""
+    return next(t for t in (8, 16, 32, 64) if t >= m)
+
+
+def shared_bytes(fmt: str, tokens: int, k: int, splits: int) -> int:
+    """A CTA's shared memory: its x slice (rows padded as in the kernel's slice_stride) and, for
+    FP8, the slice's block scales; later the partial sums [2, tokens, TILE] over the same bytes."""
+    kc = k // splits
+    stride = 2 * kc + (16 if fmt == FP8 else 64)
+    slice_bytes = tokens * stride + (4 * (kc // BLOCK) if fmt == FP8 else 0)
+    return max(slice_bytes, 2 * tokens * TILE * 4)
+
+
+def resident_ctas(fmt: str, tokens: int, k: int, splits: int) -> int:
+    """CTAs an SM holds at once: the kernels' launch bounds (MIN_CTAS in gemv.cu) and shared
+    memory (228 KB an SM, 1 KB of it reserved per CTA)."""
+    by_registers = 3 if fmt == BF16 and tokens == 8 else 2 if tokens <= 32 else 1
+    return max(1, min(by_registers, (228 << 10) // (shared_bytes(fmt, tokens, k, splits) + (1 << 10))))
+
+
+def choose_splits(fmt: str, tiles: int, k: int, tokens: int, device: torch.device) -> int:
+    """The most K splits whose CTAs are all resident at once, among those that divide K into
+    whole chunks and fit in shared memory. A CTA streams at a rate set by the bytes it keeps in
+    flight, not by HBM (measured: ~14 GB/s a CTA at any grid size), so more CTAs finish sooner as
+    long as none waits for a second wave."""
+    align = 2 * (2 * BLOCK if fmt == FP8 else 32)  # two warps' K ranges of whole chunks / blocks
+    valid = [s for s in SPLITS if k % (s * align) == 0 and shared_bytes(fmt, tokens, k, s) <= SHARED_MAX]
+    if not valid:
+        raise ValueError(f"gemv: K={k} must be a multiple of {align} (and fit a split in shared memory)")
+    sms = sm_count(device)
+    fits = [s for s in valid if tiles * s <= sms * resident_ctas(fmt, tokens, k, s)]
+    return fits[-1] if fits else valid[0]
+
+
+def _launch(fmt: str, w, ws, x, out, k: int, group_rows: int, splits: int | None) -> None:
+    """One launch for <= MAX_TOKENS rows of x (a contiguous slice)."""
+    m = x.shape[0]
+    rows = w.shape[0]
+    tokens = _tokens(m)
+    tiles = rows // TILE
+    s = splits or choose_splits(fmt, tiles, k, tokens, w.device)
+    p = GemvParams()
+    p.w, p.ws, p.x, p.out = w.data_ptr(), ws.data_ptr() if ws is not None else 0, x.data_ptr(), out.data_ptr()
+    p.rows, p.K, p.M, p.ldx, p.group_rows = rows, k, m, x.stride(0), group_rows
+    kernel = get_kernel("gemv", f"gemv_{fmt}_m{tokens}_s{s}", w.device)
+    kernel((s, tiles, 1), 256, [p], shared=shared_bytes(fmt, tokens, k, s))
+
+
+def _check_x(x: torch.Tensor, width: int, name: str) -> torch.Tensor:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != width or x.shape[0] < 1:
+        raise ValueError(f"{name}: x must be bf16 [M, {width}], got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    if x.data_ptr() % 16:
+        raise ValueError(f"{name}: x must be 16-byte aligned")
+    return x
+
+
+def _output(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device, name: str) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if out.dtype != dtype or tuple(out.shape) != shape or not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError(f"{name}: out must be contiguous, aligned {dtype} {shape}")
+    return out
+
+
+def bf16_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+    """x bf16 [M, K] @ w bf16 [N, K]ᵀ -> float32 [M, N], fp32 accumulation. N a multiple of 64,
+    K of 64 (1024 and up: of 64 * splits). `splits` forces the K split (1, 2, 4, 8), for tuning."""
+    n, k = w.shape
+    if w.dtype != torch.bfloat16 or n % TILE or k % 64:
+        raise ValueError(f"bf16_gemv: w must be bf16 [N, K] with N % {TILE} == 0 and K % 64 == 0, got {w.dtype} {tuple(w.shape)}")
+    x = _check_x(x, k, "bf16_gemv")
+    w = w.contiguous()
+    m = x.shape[0]
+    out = _output(out, (m, n), torch.float32, x.device, "bf16_gemv")
+    for lo in range(0, m, MAX_TOKENS):
+        hi = min(m, lo + MAX_TOKENS)
+        _launch(BF16, w, None, x[lo:hi], out[lo:hi], k, n, splits)
+    return out
+
+
+def fp8_grouped_gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    groups: int,
+    out: torch.Tensor | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """Grouped x @ dequant(w)ᵀ: x bf16 [M, G*K], w e4m3 [G*N, K] with E8M0 128x128 scales
+    [G*N/128, K/128] (float8_e8m0fnu or uint8) -> bf16 [M, G*N], where group g gives
+    out[:, g*N:(g+1)*N] = x[:, g*K:(g+1)*K] @ (w[g*N:(g+1)*N] * scale)ᵀ. N a multiple of 64 with
+    G*N of 128, K a multiple of 256 (of 256 * splits). bf16 products of the exactly dequantised
+    weight, fp32 accumulation, one bf16 rounding: the reference's bf16 einsum."""
+    rows, k = w.shape
+    if w.dtype != torch.float8_e4m3fn or groups < 1 or rows % groups:
+        raise ValueError(f"fp8_grouped_gemv: w must be float8_e4m3fn [G*N, K] for {groups} groups, got {w.dtype} {tuple(w.shape)}")
+    n = rows // groups
+    if n % TILE or rows % BLOCK or k % (2 * BLOCK):
+        raise ValueError(f"fp8_grouped_gemv: need N % {TILE} == 0, G*N % {BLOCK} == 0 and K % {2 * BLOCK} == 0, got N={n}, K={k}")
+    if tuple(scale.shape) != (rows // BLOCK, k // BLOCK):
+        raise ValueError(f"fp8_grouped_gemv: scale shape {tuple(scale.shape)} != {(rows // BLOCK, k // BLOCK)}")
+    x = _check_x(x, groups * k, "fp8_grouped_gemv")
+    w, ws = w.contiguous(), scale_bytes(scale)
+    m = x.shape[0]
+    out = _output(out, (m, rows), torch.bfloat16, x.device, "fp8_grouped_gemv")
+    for lo in range(0, m, MAX_TOKENS):
+        hi = min(m, lo + MAX_TOKENS)
+        _launch(FP8, w, ws, x[lo:hi], out[lo:hi], k, n, splits)
+    return out
