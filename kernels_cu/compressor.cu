@@ -31,8 +31,8 @@ struct CompressParams {
   const float* kv;     // [B, C] the token's projections, rows kv_stride floats apart
   const float* score;  // [B, C], rows score_stride floats apart
   const int* pos;      // [B] the token's position; < 0: padding
-  float* state_kv;     // [B, NS, C] (NS = 2 ratio for ratio 4, else ratio)
-  float* state_score;  // [B, NS, C]
+  float* state_kv;     // [S, NS, C] (NS = 2 ratio for ratio 4, else ratio)
+  float* state_score;  // [S, NS, C]
   const float* ape;    // [ratio, C]
   const float* norm;   // [width]
   const float* freqs;  // [32] layers.Rope.freqs
@@ -43,6 +43,7 @@ struct CompressParams {
   i64 kv_stride;
   i64 score_stride;
   double eps;
+  const i64* state_row;  // [B] or null: row b's state is state[state_row[b]] (else state[b])
 };
 
 DSUF_DEVICE float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
@@ -90,8 +91,9 @@ DSUF_DEVICE void compress_step(const CompressParams& p) {
   const int phase = pos % RATIO;
   const int s = threadIdx.x >> 4;
   const int c = blockIdx.x * CH + 4 * (threadIdx.x & 15);
-  float* st_kv = p.state_kv + (i64)b * NS * C;
-  float* st_score = p.state_score + (i64)b * NS * C;
+  const i64 row = p.state_row ? p.state_row[b] : (i64)b;
+  float* st_kv = p.state_kv + row * NS * C;
+  float* st_score = p.state_score + row * NS * C;
   const float* kv_in = p.kv + b * p.kv_stride;
   const float* score_in = p.score + b * p.score_stride;
   const float* ape = p.ape + phase * C;

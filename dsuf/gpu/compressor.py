@@ -42,6 +42,7 @@ class CompressParams(ctypes.Structure):
         ("kv_stride", ctypes.c_int64),
         ("score_stride", ctypes.c_int64),
         ("eps", ctypes.c_double),
+        ("state_row", ctypes.c_void_p),
     ]
 
 
@@ -68,6 +69,7 @@ def compress_decode(
     pool: torch.Tensor,
     slots: torch.Tensor,
     latent: torch.Tensor | None = None,
+    state_rows: torch.Tensor | None = None,
 ) -> None:
     """One decode token per row b at position positions[b] (int32 [B]; < 0: a padding row, left
     untouched) fed to a compressor of ratio = ape.shape[0] and width = norm.shape[0]:
@@ -82,7 +84,9 @@ def compress_decode(
       key pool uint8 [n, 68] at slots[b] (int64, as pack_index_keys); < 0 writes nothing. Other
       rows write nothing there (their slot is not read);
     - latent: optional bf16 [B, width], row b set to the completed entry after RoPE (before the
-      Hadamard rotation and the cache format) where row b completes one.
+      Hadamard rotation and the cache format) where row b completes one;
+    - state_rows: optional int64 [B]: row b's state is state_kv[state_rows[b]] (states of many
+      sequences, indexed by their slots; without it, state row b).
 
     One launch and no state of its own: safe in CUDA graphs and on any stream.
     """
@@ -92,13 +96,16 @@ def compress_decode(
         raise ValueError(f"compress_decode: no kernel for width {width}, ratio {ratio} (have {sorted(KERNELS)})")
     batch = positions.shape[0]
     channels = (2 if ratio == 4 else 1) * width
-    state_rows = (2 if ratio == 4 else 1) * ratio
+    n_state = (2 if ratio == 4 else 1) * ratio
     if positions.dtype != torch.int32 or positions.dim() != 1 or batch > MAX_ROWS:
         raise ValueError(f"compress_decode: positions must be int32 [B], B <= {MAX_ROWS}")
     kv, score = _rows(kv, batch, channels, "kv"), _rows(score, batch, channels, "score")
+    held = state_kv.shape[0] if state_rows is not None else batch
     for t, what in ((state_kv, "state_kv"), (state_score, "state_score")):
-        if t.dtype != torch.float32 or tuple(t.shape) != (batch, state_rows, channels) or not t.is_contiguous():
-            raise ValueError(f"compress_decode: {what} must be contiguous float32 [{batch}, {state_rows}, {channels}]")
+        if t.dtype != torch.float32 or tuple(t.shape) != (held, n_state, channels) or not t.is_contiguous():
+            raise ValueError(f"compress_decode: {what} must be contiguous float32 [{held}, {n_state}, {channels}]")
+    if state_rows is not None and (state_rows.dtype != torch.int64 or tuple(state_rows.shape) != (batch,)):
+        raise ValueError(f"compress_decode: state_rows must be int64 [{batch}]")
     if ape.dtype != torch.float32 or tuple(ape.shape) != (ratio, channels) or norm.dtype != torch.float32:
         raise ValueError(f"compress_decode: ape must be float32 [{ratio}, {channels}], norm float32 [{width}]")
     if freqs.dtype != torch.float32 or tuple(freqs.shape) != (ROPE_PAIRS,):
@@ -129,6 +136,7 @@ def compress_decode(
         kv.stride(0),
         score.stride(0),
         eps,
+        state_rows.data_ptr() if state_rows is not None else 0,
     )
     threads = 128 if ratio == 4 else 256
     # One cluster of width / 64 CTAs per row (the cluster size is compiled into the kernel).

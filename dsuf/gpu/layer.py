@@ -23,8 +23,9 @@ from dsuf.model.layers import Rope
 
 from .attention import new_pool, pack_kv, sparse_attention
 from .compressor import compress_decode
+from .gemv import fp8_grouped_gemv
 from .indexer import INDEX_ENTRY_BYTES, fp4_quantize, index_scores, topk_indices
-from .linear import BLOCK, Fp8Linear, act_quant
+from .linear import Fp8Linear, act_quant
 from .mhc import HcSite, hc_expand
 from .moe import Fp4Experts, Fp8Expert, MoeDecode
 from .norm import hc_collapse_rms_norm, rms_norm
@@ -153,7 +154,8 @@ def has_mm_out_dtype(device: torch.device) -> bool:
 
 class DecodeLayer:
     """One decode layer on the GPU path: the kernels of dsuf.gpu where they exist, torch for the
-    compressors' projections, the indexer's Hadamard rotation of queries, and wo_a."""
+    compressors' projections (cuBLAS is as fast as our GEMV there) and the indexer's Hadamard
+    rotation of queries."""
 
     def __init__(self, c: ModelConfig, layer: int, t: dict[str, torch.Tensor], device: torch.device) -> None:
         p, a, f = f"layers.{layer}", f"layers.{layer}.attn", f"layers.{layer}.ffn"
@@ -170,8 +172,9 @@ class DecodeLayer:
         self.wq_a, self.wq_b, self.wkv, self.wo_b = fp8(f"{a}.wq_a"), fp8(f"{a}.wq_b"), fp8(f"{a}.wkv"), fp8(f"{a}.wo_b")
         self.q_norm, self.kv_norm = t[f"{a}.q_norm.weight"].float(), t[f"{a}.kv_norm.weight"].float()
         self.sink = t[f"{a}.attn_sink"].float()
-        # wo_a: the reference dequantises it to bf16 and runs a bf16 einsum (torch here too).
-        self.wo_a = quant.dequant_fp8_weight(t[f"{a}.wo_a.weight"], t[f"{a}.wo_a.scale"], BLOCK).to(torch.bfloat16).view(c.o_groups, c.o_lora_rank, -1)
+        # wo_a: the reference dequantises it to bf16 for a grouped bf16 matmul; the kernel reads
+        # the FP8 weight and dequantises exactly in registers.
+        self.wo_a = (t[f"{a}.wo_a.weight"], t[f"{a}.wo_a.scale"])
         self.rope = layer_rope(c, self.ratio, device)
         # Every bf16 projection of the attention input in one matrix: the compressor's wkv, wgate,
         # the indexer compressor's wkv, wgate and the indexer's weights_proj.
@@ -194,11 +197,11 @@ class DecodeLayer:
         self.moe = MoeDecode(Fp4Experts.from_checkpoint(w1, s1, w3, s3, w2, s2), Fp8Expert(*shared), c.swiglu_limit)
 
     def torch_parts(self) -> list[str]:
-        parts = ["wo_a (bf16 einsum, as the reference)"]
+        parts = []
         if self.ratio:
-            parts.insert(0, f"compressor projections ({'torch.mm bf16 -> fp32' if self.mm_out_dtype else 'fp32 matmul'})")
+            parts.append(f"compressor projections ({'torch.mm bf16 -> fp32' if self.mm_out_dtype else 'fp32 matmul'})")
         if self.ratio == 4:
-            parts.insert(1, "indexer: the Hadamard rotation of queries")
+            parts.append("indexer: the Hadamard rotation of queries")
         return parts
 
     def _project(self, y: torch.Tensor) -> list[torch.Tensor]:
@@ -231,16 +234,12 @@ class DecodeLayer:
             pack_kv(kv, cache.pool, ix.window_slot)
 
         def compress(b: dict) -> None:
-            # The compressor kernel works on the rows' own states: gathered by slot, put back after.
-            slots = b["slots"]
             parts = self._project(b[f"{L}.y"])
-            kv, score = cache.comp_kv[slots], cache.comp_score[slots]
-            compress_decode(parts[0], parts[1], ix.positions, kv, score, self.ape, self.comp_norm, self.rope.freqs, c.norm_eps, cache.pool, ix.comp_slot)
-            cache.comp_kv[slots], cache.comp_score[slots] = kv, score
+            compress_decode(parts[0], parts[1], ix.positions, cache.comp_kv, cache.comp_score, self.ape, self.comp_norm, self.rope.freqs,
+                            c.norm_eps, cache.pool, ix.comp_slot, state_rows=b["slots"])
             if ratio == 4:
-                kv, score = cache.idx_kv[slots], cache.idx_score[slots]
-                compress_decode(parts[2], parts[3], ix.positions, kv, score, self.idx_ape, self.idx_norm, self.rope.freqs, c.norm_eps, cache.keys, ix.key_row)
-                cache.idx_kv[slots], cache.idx_score[slots] = kv, score
+                compress_decode(parts[2], parts[3], ix.positions, cache.idx_kv, cache.idx_score, self.idx_ape, self.idx_norm, self.rope.freqs,
+                                c.norm_eps, cache.keys, ix.key_row, state_rows=b["slots"])
                 b[f"{L}.weights"] = parts[4].to(torch.bfloat16).float() * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
 
         def index_query(b: dict) -> None:
@@ -257,8 +256,7 @@ class DecodeLayer:
             b[f"{L}.o"] = rope_(o, ix.cos, ix.sin, inverse=True)
 
         def wo_a(b: dict) -> None:
-            rows = b[f"{L}.o"].shape[0]
-            b[f"{L}.oa"] = torch.einsum("tgd,grd->tgr", b[f"{L}.o"].view(rows, c.o_groups, -1), self.wo_a).flatten(1)
+            b[f"{L}.oa"] = fp8_grouped_gemv(b[f"{L}.o"].view(b[f"{L}.o"].shape[0], -1), *self.wo_a, c.o_groups)
 
         def wo_b_expand(b: dict) -> None:
             b[f"{L}.attn"] = self.wo_b(b[f"{L}.oa"])
@@ -286,7 +284,7 @@ class DecodeLayer:
             ]
         out += [
             Stage(f"L{L} sparse attention ({kind}) + inverse RoPE", "kernels", attend),
-            Stage(f"L{L} wo_a (bf16 einsum)", "torch", wo_a),
+            Stage(f"L{L} wo_a (FP8 grouped GEMV)", "kernels", wo_a),
             Stage(f"L{L} wo_b + mHC expand", "kernels", wo_b_expand),
             Stage(f"L{L} mHC + router{' (hash)' if self.hash else ''}", "kernels", mhc_ffn_route),
             Stage(f"L{L} MoE (6 routed FP4 + shared FP8) + mHC expand", "kernels", moe_expand),

@@ -267,3 +267,27 @@ def test_compress_decode_timing(cuda, batch):
         "HCA": _graph_us(lambda: torch_stage("hca", cases["hca"])),
     }
     print(f"  torch pooling + kernels B={batch}: " + ", ".join(f"{k} {v:.1f} us" for k, v in old.items()))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_state_rows_address_the_states_of_many_sequences(cuda, kind):
+    """With state_rows, row b works on state[state_rows[b]] of a larger state (the GPU model's
+    per-slot states): the same as working on those rows gathered, and no other row touched."""
+    batch, held = 6, 11
+    case = Case(kind, batch, cuda)
+    rows = torch.randperm(held, device=cuda)[:batch]
+    positions = [case.ratio - 1, 0, 2 * case.ratio - 1, case.ratio + 1, 3, 5 * case.ratio - 1]
+    pos = torch.tensor(positions, dtype=torch.int32, device=cuda)
+    many_kv, many_score = torch.randn(held, case.rows, case.channels, device=cuda), torch.randn(held, case.rows, case.channels, device=cuda)
+    many_kv[rows], many_score[rows] = case.state(positions)
+    gathered_kv, gathered_score = many_kv[rows].clone(), many_score[rows].clone()
+    before_kv, before_score = many_kv.clone(), many_score.clone()
+    kv, score = case.projections()
+    case.step(kv, score, pos, gathered_kv, gathered_score)
+    expected = case.pool.clone()
+    compress_decode(kv, score, pos, many_kv, many_score, case.ape_d, case.norm_d, case.freqs, EPS, case.pool, case.slots, state_rows=rows)
+    assert torch.equal(many_kv[rows], gathered_kv) and torch.equal(many_score[rows], gathered_score)
+    others = torch.ones(held, dtype=torch.bool, device=cuda)
+    others[rows] = False
+    assert torch.equal(many_kv[others], before_kv[others]) and torch.equal(many_score[others], before_score[others])
+    assert torch.equal(case.pool, expected)
