@@ -24,6 +24,12 @@ from .linear import BLOCK, CTA_ROWS, MAX_TOKENS, GemmParams, act_quant, choose_s
 from .runtime import get_kernel, ptr
 
 FP4_BLOCK = 32  # elements per E8M0 scale of an FP4 expert weight
+FP4_MAX_CHUNKS = 16  # 128-element K chunks one CTA of the FP4 kernels covers (gemm.cu)
+# FP4 kernel variant "_uUbB" (U chunks a pipeline stage, B CTAs an SM), or None: by the number of
+# pairs (H200: 3 CTAs an SM at batch 1, 4 at batch 8). FP4_SPLITS overrides split-K. Both are
+# for tools/gpu-check --fp4-sweep; every choice gives the same bits.
+FP4_VARIANT: str | None = None
+FP4_SPLITS: int | None = None
 
 
 def permute_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -195,7 +201,10 @@ class MoeDecode:
         n, k = w[0].shape[1], xq.shape[1]
         mats = 2 if w_up is not None else 1
         tiles = pairs * (n // CTA_ROWS) * mats
-        splits = choose_splits(tiles, k // BLOCK, 2 * sm_count(xq.device), n * 4 * mats * 2 * pairs, pairs * mats * n * k // 2)
+        variant = FP4_VARIANT or ("_u2b3" if pairs <= 16 else "_u2b4")
+        blocks = int(variant.rsplit("b", 1)[1])
+        splits = FP4_SPLITS or choose_splits(tiles, k // BLOCK, blocks * sm_count(xq.device), n * 4 * mats * 2 * pairs, pairs * mats * n * k // 2)
+        splits = max(splits, -(-(k // BLOCK) // FP4_MAX_CHUNKS))  # a CTA's activations fit its shared memory
         partial = torch.empty(tiles * splits * 8 * CTA_ROWS if mats * splits > 1 else 1, dtype=torch.float32, device=xq.device)
         if self.counter.numel() < pairs * (n // CTA_ROWS):  # zeroed once; every launch leaves it zero
             self.counter = torch.zeros(pairs * (n // CTA_ROWS), dtype=torch.int32, device=xq.device)
@@ -211,4 +220,4 @@ class MoeDecode:
         p.out_scale = out_scale.data_ptr() if out_scale is not None else 0
         p.partial, p.counter = partial.data_ptr(), self.counter.data_ptr()
         p.N, p.K, p.cols, p.splits, p.x_div, p.limit = n, k, 1, splits, x_div, self.limit
-        get_kernel("gemm", name, xq.device)((n // CTA_ROWS, mats * splits, pairs), 256, [p])
+        get_kernel("gemm", name + variant, xq.device)((n // CTA_ROWS, mats * splits, pairs), 256, [p])
