@@ -120,6 +120,12 @@ async def serve(args: argparse.Namespace) -> int:
                 raise SystemExit(f"dsuf: {ckpt} has no tokenizer.json; a {config.family} checkpoint needs its own (or --tokenizer)")
             tokenizer = default_tokenizer()
     if gpus:  # every sequence's caches are preallocated on the GPU: a bounded context by default
+        from dsuf.gpu.model import check_kernel_shapes
+
+        try:
+            check_kernel_shapes(config)
+        except ValueError as exc:
+            raise SystemExit(f"dsuf: {exc}") from None
         max_len = args.max_model_len or min(config.max_seq_len, GPU_DEFAULT_CONTEXT)
         log.info("GPU path on cuda:%d (kernels compile on first use, cached on disk)", gpus[0])
     else:

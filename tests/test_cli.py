@@ -88,6 +88,7 @@ def test_missing_checkpoint_and_bad_override_are_reported_plainly(tmp_path):
         (["--gpus", "0", "--random-weights", "config.json", "--ckpt", "x"], "not both"),
         (["--gpus", "0", "--random-weights", "nowhere.json"], "--random-weights nowhere.json"),
         (["--device", "tpu"], "unknown --device"),
+        (["--gpus", "0"], "the GPU path runs V4-Flash's layer shapes; "),  # the embedded tiny model's are smaller
     ],
 )
 def test_serve_refuses_gpu_options_it_cannot_honour_in_one_line(args, message, tmp_path):

@@ -28,6 +28,21 @@ from .norm import rms_norm
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+# What the kernels are written for: V4-Flash's layer shapes (any number of layers, experts, vocabulary).
+KERNEL_SHAPES = {"head_dim": 512, "n_heads": 64, "rope_head_dim": 64, "index_n_heads": 64, "index_head_dim": 128, "hc_mult": 4}
+
+
+def check_kernel_shapes(c: ModelConfig) -> None:
+    """A one-line ValueError for a model the GPU kernels cannot run (e.g. the embedded tiny model)."""
+    wrong = [f"{k} {getattr(c, k)} (needs {v})" for k, v in KERNEL_SHAPES.items() if getattr(c, k) != v]
+    if c.dim % 2048 or c.moe_inter_dim % 128 or c.q_lora_rank % 128:
+        wrong.append(f"dim {c.dim} / moe_inter_dim {c.moe_inter_dim} / q_lora_rank {c.q_lora_rank} (need multiples of 2048 / 128 / 128)")
+    if c.family != "v4":
+        wrong.append(f"family {c.family} (needs v4)")
+    if wrong:
+        raise ValueError(f"the GPU path runs V4-Flash's layer shapes; {c.name} has " + ", ".join(wrong))
+
+
 class GpuSequence:
     """A sequence's place in the caches: its slot, and how many tokens it has fed (`pos`)."""
 
@@ -41,8 +56,7 @@ class GpuModel:
 
     def __init__(self, c: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device, max_batch: int = 8,
                  max_context: int = 65536, graphs: bool = True) -> None:
-        if c.family != "v4":
-            raise ValueError(f"the GPU path runs V4-Flash only so far, not {c.family}")
+        check_kernel_shapes(c)
         if max_context % 128 or max_context < 128:
             raise ValueError(f"max_context must be a positive multiple of 128, got {max_context}")
         self.config, self.device, self.max_context, self.graphs = c, device, max_context, graphs
