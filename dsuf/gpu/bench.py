@@ -253,11 +253,16 @@ def copy_bandwidth(device: torch.device) -> float:
 
 def graph_of(stages: list[Stage], buf: dict) -> torch.cuda.CUDAGraph:
     """The stages captured as one CUDA graph, replayed once (so its outputs are valid)."""
+    return graph_of_calls([lambda s=s: s.run(buf) for s in stages])
+
+
+def graph_of_calls(calls: list[Callable[[], object]]) -> torch.cuda.CUDAGraph:
+    """The calls captured as one CUDA graph, replayed once (so its outputs are valid)."""
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for s in stages:
-            s.run(buf)
+        for call in calls:
+            call()
     graph.replay()
     torch.cuda.synchronize()
     return graph

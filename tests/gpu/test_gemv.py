@@ -6,13 +6,13 @@ L2, so every call streams from HBM) next to the torch calls they replace."""
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable
 
 import pytest
 import torch
 from gpu_checks import compare, random_activations
 
+from dsuf.gpu.bench import graph_of_calls, replay_us
 from dsuf.gpu.gemv import (
     BF16,
     FP8,
@@ -89,25 +89,10 @@ def test_fp8_grouped_gemv(cuda, m):
 
 
 def graph_us(calls: list[Callable[[], object]], reps: int = 20) -> float:
-    """µs per call: the calls captured once as a CUDA graph, replayed `reps` times (median)."""
+    """µs per call: the calls (run once eagerly first) captured as one CUDA graph, median of `reps` replays."""
     for call in calls:
         call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
+    return replay_us(graph_of_calls(calls), reps) / len(calls)
 
 
 def copies(nbytes: int) -> int:
