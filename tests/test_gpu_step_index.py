@@ -1,0 +1,73 @@
+"""Where the GPU path's decode step reads and writes in its caches (`dsuf.gpu.layer.step_index`,
+`LayerCache`): pure torch, so it is specified here, on the CPU, against the reference's visibility
+rules (`dsuf.model.v4`): window attention sees the last W positions, compressed entry j exists
+once its group is complete and is visible to query i iff j < (i + 1) // ratio."""
+
+from __future__ import annotations
+
+import torch
+
+from dsuf.gpu.layer import LayerCache, layer_rope, step_index
+from dsuf.gpu.weights import V4_FLASH_CONFIG
+from dsuf.model.config import parse_config
+
+C = parse_config(V4_FLASH_CONFIG)
+W = C.window_size
+CONTEXT = 4096
+SLOTS = 5
+POSITIONS = [0, 1, 3, 4, 126, 127, 128, 129, 511, 512, 1000, CONTEXT - 1]
+
+
+def index_of(ratio: int, slots: list[int], positions: list[int]):
+    cache = LayerCache.new(C, ratio, SLOTS, CONTEXT, torch.device("cpu"))
+    ix = step_index(C, ratio, cache.n_max, layer_rope(C, ratio, torch.device("cpu")), torch.tensor(slots), torch.tensor(positions))
+    return cache, ix
+
+
+def test_each_slot_owns_its_window_ring_then_its_compressed_entries() -> None:
+    for ratio, n_max in ((0, 0), (4, CONTEXT // 4), (128, CONTEXT // 128)):
+        cache, _ = index_of(ratio, [0], [0])
+        assert cache.stride == W + n_max and cache.pool.shape[0] == SLOTS * (W + n_max)
+        if ratio == 4:
+            assert cache.keys.shape[0] == SLOTS * n_max and cache.idx_kv.shape[0] == SLOTS
+
+
+def test_the_window_holds_exactly_the_last_w_positions() -> None:
+    slots = [s % (SLOTS - 1) + 1 for s in range(len(POSITIONS))]
+    cache, ix = index_of(0, slots, POSITIONS)
+    for row, (slot, pos) in enumerate(zip(slots, POSITIONS)):
+        base = slot * cache.stride
+        assert int(ix.window_slot[row]) == base + pos % W  # the ring slot of this token
+        picked = sorted(int(e) for e in ix.attn_idx[row] if e >= 0)
+        held = sorted(base + p % W for p in range(max(0, pos - W + 1), pos + 1))  # ring slots of visible positions
+        assert picked == held, f"position {pos}"
+        assert ix.attn_idx.shape[1] == W
+
+
+def test_hca_rows_attend_to_every_complete_group_and_write_the_one_they_complete() -> None:
+    ratio = 128
+    slots = [2] * len(POSITIONS)
+    cache, ix = index_of(ratio, slots, POSITIONS)
+    for row, pos in enumerate(POSITIONS):
+        base = 2 * cache.stride
+        compressed = sorted(int(e) for e in ix.attn_idx[row, W:] if e >= 0)
+        assert compressed == [base + W + j for j in range((pos + 1) // ratio)], f"position {pos}"
+        assert int(ix.comp_slot[row]) == base + W + pos // ratio  # written only if (pos + 1) % ratio == 0
+        assert int(ix.comp_base[row]) == base + W and int(ix.positions[row]) == pos
+
+
+def test_csa_rows_score_the_visible_index_keys_and_leave_the_picks_to_the_top_k() -> None:
+    slots = [1, 4, 3, 1, 2, 4, 3, 2, 1, 4, 3, 2]
+    cache, ix = index_of(4, slots, POSITIONS)
+    assert ix.attn_idx.shape[1] == W + C.index_topk and bool((ix.attn_idx[:, W:] == -1).all())
+    for row, (slot, pos) in enumerate(zip(slots, POSITIONS)):
+        assert int(ix.key_start[row]) == slot * cache.n_max
+        assert int(ix.n_keys[row]) == (pos + 1) // 4
+        assert int(ix.key_row[row]) == slot * cache.n_max + pos // 4
+
+
+def test_rope_tables_follow_each_rows_position() -> None:
+    _, ix = index_of(4, [1, 2], [5, 70000 % CONTEXT])
+    rope = layer_rope(C, 4, torch.device("cpu"))
+    cos, sin = rope.cos_sin(torch.tensor([5, 70000 % CONTEXT]))
+    assert torch.equal(ix.cos, cos) and torch.equal(ix.sin, sin)
