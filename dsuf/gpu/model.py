@@ -82,6 +82,12 @@ class GpuModel:
         self.dev_in = torch.zeros((3, max_batch), dtype=torch.int64, device=device)  # ids, slots, positions
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
+        # Compile every kernel (NVRTC, cached on disk) and capture the batch-1 step now, so that the
+        # worker says Ready only once the first request can run at full speed.
+        if graphs:
+            self._capture(self.buckets[0])
+        else:
+            self._step(self.buckets[0])
 
     # ---- sequences --------------------------------------------------------------------------------
 
