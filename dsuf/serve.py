@@ -127,7 +127,7 @@ async def serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise SystemExit(f"dsuf: {exc}") from None
         max_len = args.max_model_len or min(config.max_seq_len, GPU_DEFAULT_CONTEXT)
-        log.info("GPU path on cuda:%d (kernels compile on first use, cached on disk)", gpus[0])
+        log.info("GPU path on cuda:%d (the worker compiles its kernels, cached on disk, and captures its first CUDA graph before it is ready)", gpus[0])
     else:
         max_len = args.max_model_len or (EMBEDDED_MAX_MODEL_LEN if not args.ckpt else config.max_seq_len)
         log.info("kernels: none to build on the CPU reference path")
