@@ -83,17 +83,19 @@ def choose_splits(fmt: str, tiles: int, k: int, tokens: int, device: torch.devic
 
 
 def _launch(fmt: str, w, ws, x, out, k: int, group_rows: int, splits: int | None) -> None:
-    """One launch for <= MAX_TOKENS rows of x (a contiguous slice)."""
-    m = x.shape[0]
+    """One launch per MAX_TOKENS rows of x."""
     rows = w.shape[0]
-    tokens = _tokens(m)
     tiles = rows // TILE
-    s = splits or choose_splits(fmt, tiles, k, tokens, w.device)
-    p = GemvParams()
-    p.w, p.ws, p.x, p.out = w.data_ptr(), ws.data_ptr() if ws is not None else 0, x.data_ptr(), out.data_ptr()
-    p.rows, p.K, p.M, p.ldx, p.group_rows = rows, k, m, x.stride(0), group_rows
-    kernel = get_kernel("gemv", f"gemv_{fmt}_m{tokens}_s{s}", w.device)
-    kernel((s, tiles, 1), 256, [p], shared=shared_bytes(fmt, tokens, k, s))
+    for lo in range(0, x.shape[0], MAX_TOKENS):
+        xs, outs = x[lo : lo + MAX_TOKENS], out[lo : lo + MAX_TOKENS]
+        m = xs.shape[0]
+        tokens = _tokens(m)
+        s = splits or choose_splits(fmt, tiles, k, tokens, w.device)
+        p = GemvParams()
+        p.w, p.ws, p.x, p.out = w.data_ptr(), ws.data_ptr() if ws is not None else 0, xs.data_ptr(), outs.data_ptr()
+        p.rows, p.K, p.M, p.ldx, p.group_rows = rows, k, m, xs.stride(0), group_rows
+        kernel = get_kernel("gemv", f"gemv_{fmt}_m{tokens}_s{s}", w.device)
+        kernel((s, tiles, 1), 256, [p], shared=shared_bytes(fmt, tokens, k, s))
 
 
 def _check_x(x: torch.Tensor, width: int, name: str) -> torch.Tensor:
@@ -123,9 +125,7 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     w = w.contiguous()
     m = x.shape[0]
     out = _output(out, (m, n), torch.float32, x.device, "bf16_gemv")
-    for lo in range(0, m, MAX_TOKENS):
-        hi = min(m, lo + MAX_TOKENS)
-        _launch(BF16, w, None, x[lo:hi], out[lo:hi], k, n, splits)
+    _launch(BF16, w, None, x, out, k, n, splits)
     return out
 
 
@@ -154,7 +154,5 @@ def fp8_grouped_gemv(
     w, ws = w.contiguous(), scale_bytes(scale)
     m = x.shape[0]
     out = _output(out, (m, rows), torch.bfloat16, x.device, "fp8_grouped_gemv")
-    for lo in range(0, m, MAX_TOKENS):
-        hi = min(m, lo + MAX_TOKENS)
-        _launch(FP8, w, ws, x[lo:hi], out[lo:hi], k, n, splits)
+    _launch(FP8, w, ws, x, out, k, n, splits)
     return out
