@@ -67,7 +67,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt("ckpt", None, "checkpoint folder; default: the embedded tiny model")
     opt("tokenizer", None, "tokenizer.json; default: the checkpoint's, else the public V4 tokenizer")
     opt("device", "cpu", "cpu (the reference path)")
-    opt("gpus", None, "GPU id for the GPU path (one for now)")
+    opt("gpus", None, "GPU ids for the GPU path, comma-separated: one worker (tensor-parallel rank) each")
     opt("random-weights", None, "with --gpus: serve random weights of this config.json's shapes (made on the GPU, as dsuf bench does)")
     opt("seed", 0, "seed of --random-weights", int)
     opt("host", "127.0.0.1", "address to listen on")
@@ -121,13 +121,16 @@ async def serve(args: argparse.Namespace) -> int:
             tokenizer = default_tokenizer()
     if gpus:  # every sequence's caches are preallocated on the GPU: a bounded context by default
         from dsuf.gpu.model import check_kernel_shapes
+        from dsuf.gpu.tp import check_tp
 
         try:
             check_kernel_shapes(config)
+            check_tp(config, len(gpus))
         except ValueError as exc:
             raise SystemExit(f"dsuf: {exc}") from None
         max_len = args.max_model_len or min(config.max_seq_len, GPU_DEFAULT_CONTEXT)
-        log.info("GPU path on cuda:%d (the worker compiles its kernels, cached on disk, and captures its first CUDA graph before it is ready)", gpus[0])
+        log.info("GPU path on cuda:%s (each worker compiles its kernels, cached on disk, and captures its first CUDA graph before it is ready)",
+                 ",".join(map(str, gpus)))
     else:
         max_len = args.max_model_len or (EMBEDDED_MAX_MODEL_LEN if not args.ckpt else config.max_seq_len)
         log.info("kernels: none to build on the CPU reference path")
@@ -140,7 +143,7 @@ async def serve(args: argparse.Namespace) -> int:
     engine = Engine(EngineConfig(
         where, args.numerics, args.max_batch, args.max_waiting, args.prefill_chunk,
         arena=arena.name if arena else None, revision=cache.revision if cache else "",
-        gpu=gpus[0] if gpus else None, random_weights=args.random_weights, max_context=-(-max_len // 128) * 128,
+        gpus=tuple(gpus), random_weights=args.random_weights, max_context=-(-max_len // 128) * 128,
     ))
     engine.cache = cache
     state = ServerState(api_key=args.api_key, cache=cache)
@@ -181,17 +184,15 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def parse_gpus(text: str | None) -> list[int]:
-    """--gpus "0" -> [0]; one GPU for now (tensor parallelism across GPUs comes later)."""
+    """--gpus "0,1" -> [0, 1]: distinct CUDA device ids, a tensor-parallel rank each."""
     if not text:
         return []
     try:
         gpus = [int(g) for g in text.split(",")]
     except ValueError:
         raise SystemExit(f"dsuf: --gpus takes comma-separated GPU ids, got {text!r}") from None
-    if len(gpus) > 1:
-        raise SystemExit("dsuf: tensor parallelism across GPUs is not built yet; serve on one GPU (e.g. --gpus 0)")
-    if gpus[0] < 0:
-        raise SystemExit(f"dsuf: not a GPU id: {gpus[0]}")
+    if min(gpus) < 0 or len(set(gpus)) != len(gpus):
+        raise SystemExit(f"dsuf: --gpus takes distinct GPU ids (0, 1, ...), got {text!r}")
     return gpus
 
 

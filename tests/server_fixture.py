@@ -153,8 +153,8 @@ class Server:
         raise AssertionError(f"{text!r} not logged within {timeout} s; log:\n{self.log()}")
 
     def worker_pid(self) -> int:
-        m = re.search(r"worker started \(pid (\d+)\)", self.log())
-        assert m, f"no 'worker started (pid N)' line in the log:\n{self.log()}"
+        m = re.search(r"worker started \(pid (\d+),", self.log())
+        assert m, f"no 'worker started (pid N, ...)' line in the log:\n{self.log()}"
         return int(m.group(1))
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class Server:
     def stop(self, timeout: float = 30.0) -> int:
         """End the server (SIGTERM, then SIGKILL) and a worker that outlived it; returns the exit code."""
         worker = None
-        m = re.search(r"worker started \(pid (\d+)\)", self.log())
+        m = re.search(r"worker started \(pid (\d+),", self.log())
         if m:
             worker = int(m.group(1))
         if self.proc.poll() is None:

@@ -82,7 +82,8 @@ def test_missing_checkpoint_and_bad_override_are_reported_plainly(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--gpus", "0,1"], "tensor parallelism across GPUs is not built yet"),
+        (["--gpus", "0,0"], "distinct GPU ids"),
+        (["--gpus", "0,1,2", "--random-weights", "v4-flash.json"], "random-v4-flash cannot be split over 3 GPUs: the ranks must be 1, 2, 4 or 8"),
         (["--gpus", "zero"], "comma-separated GPU ids"),
         (["--random-weights", "config.json"], "--random-weights runs on the GPU path: add --gpus"),
         (["--gpus", "0", "--random-weights", "config.json", "--ckpt", "x"], "not both"),
@@ -92,6 +93,9 @@ def test_missing_checkpoint_and_bad_override_are_reported_plainly(tmp_path):
     ],
 )
 def test_serve_refuses_gpu_options_it_cannot_honour_in_one_line(args, message, tmp_path):
+    from dsuf.gpu.weights import V4_FLASH_CONFIG
+
+    (tmp_path / "v4-flash.json").write_text(json.dumps(V4_FLASH_CONFIG))
     proc = subprocess.run([sys.executable, "-m", "dsuf", "serve", "--port", "0", "--kv-host-bytes", "0", *args],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

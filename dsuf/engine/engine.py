@@ -1,9 +1,11 @@
-"""The front end's engine: spawns and supervises the worker, and drives the step loop.
+"""The front end's engine: spawns and supervises the workers, and drives the step loop.
 
-One step is in flight at a time: the loop asks the scheduler for a plan, sends it down the ring,
-and the worker's `StepDone` (delivered by the event loop's reader on the doorbell fd, never by
-polling) completes it. A worker that exits fails every in-flight request with a 503 and the
-engine reports not ready; nothing waits forever.
+One worker per GPU (one on the CPU path), each with its own pair of rings. One step is in flight
+at a time: the loop asks the scheduler for a plan, sends it down every worker's ring, and the
+workers' `StepDone`s (delivered by the event loop's reader on the doorbell fds, never by polling)
+complete it; the first worker's (the tensor-parallel leader's) carries the tokens and snapshots.
+A worker that exits fails every in-flight request with a 503 and the engine reports not ready;
+nothing waits forever.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dsuf.engine.scheduler import QueueFull, Request, Scheduler
@@ -37,13 +40,49 @@ class EngineConfig:
     worker_threads: int = 0  # 0: the worker's default
     arena: str | None = None  # shared-memory name of the snapshot arena (conversation caches)
     revision: str = ""  # the checkpoint's revision, named in every snapshot
-    gpu: int | None = None  # the worker's CUDA device (the GPU path); None: the CPU reference path
+    gpus: tuple[int, ...] = ()  # CUDA devices, one worker (tensor-parallel rank) each; none: the CPU reference path
     random_weights: str | None = None  # GPU path: a config.json whose shapes get random weights
     max_context: int = 0  # GPU path: tokens a sequence may hold (its caches are preallocated)
 
 
 class WorkerGone(Exception):
     pass
+
+
+@dataclass
+class WorkerProcess:
+    """One worker: its rings (to it, from it), their doorbells, and the process."""
+
+    rank: int
+    rings: tuple[Ring, Ring]
+    bells: tuple[Doorbell, Doorbell]
+    to: Channel = field(init=False)
+    back: Channel = field(init=False)
+    proc: asyncio.subprocess.Process | None = None
+
+    def __post_init__(self) -> None:
+        self.to = Channel(self.rings[0], self.bells[0], ToWorker)
+        self.back = Channel(self.rings[1], self.bells[1], FromWorker)
+
+    @staticmethod
+    def create(rank: int) -> WorkerProcess:
+        return WorkerProcess(rank, (Ring.create(), Ring.create()), (Doorbell.create(), Doorbell.create()))
+
+    def ring_args(self) -> list[str]:
+        return ["--inbox", self.rings[0].name, "--inbox-fd", str(self.bells[0].fd), "--outbox", self.rings[1].name, "--outbox-fd", str(self.bells[1].fd)]
+
+    def close(self) -> None:
+        for ring in self.rings:
+            ring.close()
+            ring.unlink()
+        for bell in self.bells:
+            bell.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Engine:
@@ -57,7 +96,9 @@ class Engine:
         self.cache: ConversationCache | None = None  # sees each step's snapshots before the scheduler
         self._wakeup = asyncio.Event()
         self._step_done: asyncio.Future | None = None
-        self._proc: asyncio.subprocess.Process | None = None
+        self._done: dict[int, StepDone] = {}  # this step's StepDone by rank
+        self._readies: dict[int, Ready] = {}
+        self.workers: list[WorkerProcess] = []
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
 
@@ -65,45 +106,45 @@ class Engine:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._rings = (Ring.create(), Ring.create())
-        self._bells = (Doorbell.create(), Doorbell.create())
-        self.to_worker = Channel(self._rings[0], self._bells[0], ToWorker)
-        self.from_worker = Channel(self._rings[1], self._bells[1], FromWorker)
-        self.from_worker.attach_to_loop(loop, self._on_messages)
         cfg = self.config
-        cmd = [
-            sys.executable, "-m", "dsuf.worker.main", "--numerics", cfg.numerics,
-            "--inbox", self._rings[0].name, "--inbox-fd", str(self._bells[0].fd),
-            "--outbox", self._rings[1].name, "--outbox-fd", str(self._bells[1].fd),
-        ]
-        cmd += ["--ckpt", cfg.ckpt] if cfg.ckpt else ["--random-weights", str(cfg.random_weights)]
-        if cfg.gpu is not None:
-            cmd += ["--gpu", str(cfg.gpu), "--max-batch", str(cfg.max_batch), "--max-context", str(cfg.max_context)]
-        if self.config.worker_threads:
-            cmd += ["--threads", str(self.config.worker_threads)]
-        if self.config.arena:
-            cmd += ["--arena", self.config.arena, "--revision", self.config.revision]
-        self._proc = await asyncio.create_subprocess_exec(*cmd, pass_fds=(self._bells[0].fd, self._bells[1].fd))
-        log.info("worker started (pid %d), loading weights from %s", self._proc.pid, self.config.ckpt or f"random weights of {self.config.random_weights}")
-        self._tasks = [asyncio.create_task(self._supervise()), asyncio.create_task(self._loop())]
+        ranks = len(cfg.gpus) or 1
+        rendezvous = f"tcp://127.0.0.1:{free_port()}" if ranks > 1 else None
+        for rank in range(ranks):
+            w = WorkerProcess.create(rank)
+            self.workers.append(w)
+            w.back.attach_to_loop(loop, lambda messages, rank=rank: self._on_messages(rank, messages))
+            cmd = [sys.executable, "-m", "dsuf.worker.main", "--numerics", cfg.numerics, *w.ring_args()]
+            cmd += ["--ckpt", cfg.ckpt] if cfg.ckpt else ["--random-weights", str(cfg.random_weights)]
+            if cfg.gpus:
+                cmd += ["--gpu", str(cfg.gpus[rank]), "--max-batch", str(cfg.max_batch), "--max-context", str(cfg.max_context)]
+            if rendezvous:
+                cmd += ["--tp-rank", str(rank), "--tp-world", str(ranks), "--tp-init", rendezvous]
+            if cfg.worker_threads:
+                cmd += ["--threads", str(cfg.worker_threads)]
+            if cfg.arena:
+                cmd += ["--arena", cfg.arena, "--revision", cfg.revision]
+            w.proc = await asyncio.create_subprocess_exec(*cmd, pass_fds=(w.bells[0].fd, w.bells[1].fd))
+            where = f"GPU {cfg.gpus[rank]}, rank {rank} of {ranks}" if cfg.gpus else "CPU"
+            log.info("worker started (pid %d, %s), loading weights from %s", w.proc.pid, where, cfg.ckpt or f"random weights of {cfg.random_weights}")
+        self._tasks = [asyncio.create_task(self._supervise(w)) for w in self.workers] + [asyncio.create_task(self._loop())]
 
     async def stop(self) -> None:
         self._stopping = True
-        if self._proc is not None and self._proc.returncode is None:
-            try:
-                self.to_worker.send(Shutdown())
-                await asyncio.wait_for(self._proc.wait(), 10)
-            except (asyncio.TimeoutError, Exception):
-                self._proc.kill()
-                await self._proc.wait()
+        for w in self.workers:
+            if w.proc is not None and w.proc.returncode is None:
+                w.to.send(Shutdown())
+        for w in self.workers:
+            if w.proc is not None and w.proc.returncode is None:
+                try:
+                    await asyncio.wait_for(w.proc.wait(), 10)
+                except (asyncio.TimeoutError, Exception):
+                    w.proc.kill()
+                    await w.proc.wait()
         for task in self._tasks:
             task.cancel()
-        self.from_worker.detach_from_loop(asyncio.get_running_loop())
-        for ring in self._rings:
-            ring.close()
-            ring.unlink()
-        for bell in self._bells:
-            bell.close()
+        for w in self.workers:
+            w.back.detach_from_loop(asyncio.get_running_loop())
+            w.close()
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -128,20 +169,26 @@ class Engine:
 
     # ---- internals -----------------------------------------------------------------------------
 
-    def _on_messages(self, messages: list) -> None:
+    def _on_messages(self, rank: int, messages: list) -> None:
         for msg in messages:
             if isinstance(msg, StepDone):
-                if self._step_done is not None and not self._step_done.done():
-                    self._step_done.set_result(msg)
+                self._done[rank] = msg
+                if len(self._done) == len(self.workers) and self._step_done is not None and not self._step_done.done():
+                    self._step_done.set_result(self._done[0])
             elif isinstance(msg, Ready):
-                self.info = msg
-                c = self.config
-                self.scheduler = Scheduler(c.max_batch, c.max_waiting, c.prefill_budget, msg.eos_token_id)
-                log.info("weights loaded in %.2f s: model %s, vocab %d", msg.load_seconds, msg.model, msg.vocab_size)
-                self.ready.set()
+                self._readies[rank] = msg
+                if len(self._readies) == len(self.workers):
+                    self._on_ready(self._readies[0])
             elif isinstance(msg, Fatal):
-                log.error("worker: %s", msg.message)
-                self.failure = msg.message
+                log.error("worker %d: %s", rank, msg.message)
+                self.failure = self.failure or msg.message
+
+    def _on_ready(self, msg: Ready) -> None:
+        self.info = msg
+        c = self.config
+        self.scheduler = Scheduler(c.max_batch, c.max_waiting, c.prefill_budget, msg.eos_token_id)
+        log.info("weights loaded in %.2f s: model %s, vocab %d", msg.load_seconds, msg.model, msg.vocab_size)
+        self.ready.set()
 
     async def _loop(self) -> None:
         await self.ready.wait()
@@ -154,9 +201,10 @@ class Engine:
                 continue
             if self.cache is not None:
                 self.cache.expect(step)
-            self._step_done = loop.create_future()
+            self._step_done, self._done = loop.create_future(), {}
             sent = time.perf_counter()
-            self.to_worker.send(step)
+            for w in self.workers:
+                w.to.send(step)
             done: StepDone = await self._step_done
             if self.cache is not None:
                 self.cache.on_step(done, self.scheduler)
@@ -164,14 +212,17 @@ class Engine:
             if self.on_step is not None:
                 self.on_step(done, time.perf_counter() - sent)
 
-    async def _supervise(self) -> None:
-        code = await self._proc.wait()
+    async def _supervise(self, w: WorkerProcess) -> None:
+        code = await w.proc.wait()
         if self._stopping and code == 0:
-            log.info("worker %d stopped", self._proc.pid)
+            log.info("worker %d stopped", w.proc.pid)
             return
         cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         self.failure = self.failure or f"the worker process died ({cause})"
-        log.error("worker %d ended: %s", self._proc.pid, cause)
+        log.error("worker %d ended: %s", w.proc.pid, cause)
+        for other in self.workers:  # tensor-parallel ranks cannot go on without it
+            if other is not w and other.proc is not None and other.proc.returncode is None:
+                other.proc.kill()
         self.ready.clear()
         if self.scheduler is not None:
             self.scheduler.fail_all(503, "the model worker died; retry later")

@@ -30,6 +30,7 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from .attention import KV_ENTRY_BYTES, pack_kv, unpack_kv
 from .indexer import INDEX_ENTRY_BYTES, pack_index_keys, unpack_index_keys
 from .layer import DecodeLayer, LayerCache, Stage, layer_kind, step_index
 from .linear import BLOCK
+from .tp import TensorParallel, check_tp
 from .weights import V4_FLASH_CONFIG, layer_tensors
 
 NUM = Numerics()  # reference numerics, bf16 activations
@@ -96,14 +98,16 @@ def _fp8_bytes(n: int, k: int) -> int:
     return n * k + math.ceil(n / BLOCK) * math.ceil(k / BLOCK)
 
 
-def step_bytes(c: ModelConfig, layer: int, batch: int, n_comp: int, distinct_experts: int) -> int:
+def step_bytes(c: ModelConfig, layer: int, batch: int, n_comp: int, distinct_experts: int, world: int = 1) -> int:
     """Bytes one decode step of the layer must read at least once: its weights in checkpoint
-    formats (routed experts: the distinct ones routed to) and the KV entries / index keys used."""
+    formats (routed experts: the distinct ones routed to) and the KV entries / index keys used;
+    with `world` tensor-parallel ranks, what each rank reads (tp.py: split parts / world, the
+    rest whole)."""
     ratio, d, hd, inter = c.compress_ratios[layer], c.dim, c.head_dim, c.moe_inter_dim
     total = 2 * ((2 + c.hc_mult) * c.hc_mult * (c.hc_mult * d + 1) * 4 + 12) + 2 * 2 * d  # mHC sites, norms
-    total += _fp8_bytes(c.q_lora_rank, d) + _fp8_bytes(c.n_heads * hd, c.q_lora_rank) + _fp8_bytes(hd, d)
-    total += _fp8_bytes(c.o_groups * c.o_lora_rank, c.n_heads * hd // c.o_groups) + _fp8_bytes(d, c.o_groups * c.o_lora_rank)
-    total += 2 * (c.q_lora_rank + hd) + 4 * c.n_heads
+    total += _fp8_bytes(c.q_lora_rank, d) + _fp8_bytes(hd, d) + 2 * (c.q_lora_rank + hd)
+    split = _fp8_bytes(c.n_heads * hd, c.q_lora_rank) + _fp8_bytes(c.o_groups * c.o_lora_rank, c.n_heads * hd // c.o_groups)
+    split += _fp8_bytes(d, c.o_groups * c.o_lora_rank) + 4 * c.n_heads
     if ratio:
         rows = (2 if ratio == 4 else 1) * hd
         total += 2 * rows * d * 2 + ratio * rows * 4 + 2 * hd
@@ -113,7 +117,8 @@ def step_bytes(c: ModelConfig, layer: int, batch: int, n_comp: int, distinct_exp
         total += 2 * rows * d * 2 + 4 * rows * 4 + 2 * c.index_head_dim
     total += c.n_routed_experts * d * 2 + (0 if c.is_hash_layer(layer) else 4 * c.n_routed_experts)
     expert = 2 * (inter * d // 2 + inter * d // 32) + d * inter // 2 + d * inter // 32
-    total += distinct_experts * expert + 2 * _fp8_bytes(inter, d) + _fp8_bytes(d, inter)
+    split += distinct_experts * expert + 2 * _fp8_bytes(inter, d) + _fp8_bytes(d, inter)
+    total += split // world
     attended = min(c.index_topk, n_comp) if ratio == 4 else n_comp
     total += batch * (c.window_size + attended) * KV_ENTRY_BYTES
     if ratio == 4:
@@ -308,28 +313,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="also print the CUDA kernels of one eager step of the first configuration (torch.profiler)")
     p.add_argument("--config", help="a config.json to take the shapes from (default: V4-Flash's, built in)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1, help="with --model: tensor-parallel over this many GPUs (one process each)")
+    p.add_argument("--collective", choices=("ipc", "nccl"), default="ipc", help="with --tp: the all-reduce and all-gather (default ipc)")
 
 
-def head_bytes(c: ModelConfig, batch: int) -> int:
-    """What the embedding and the head read a step: the rows embedded, the bf16 vocabulary
-    projection, the final norm and mHC collapse."""
-    return batch * c.dim * 2 + c.vocab_size * c.dim * 2 + c.dim * 2 + c.hc_mult * (c.hc_mult * c.dim + 2) * 4
+def head_bytes(c: ModelConfig, batch: int, world: int = 1) -> int:
+    """What the embedding and the head read a step (a rank of `world`): the rows embedded, the
+    bf16 vocabulary projection (split over the ranks), the final norm and mHC collapse."""
+    return batch * c.dim * 2 + c.vocab_size * c.dim * 2 // world + c.dim * 2 + c.hc_mult * (c.hc_mult * c.dim + 2) * 4
 
 
-def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, bw: float) -> int:
+def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, bw: float, tp: TensorParallel | None = None) -> int:
     """`--model`: the worker's whole decode step (dsuf.gpu.model: step indices, embedding, layers
-    0 .. --layers-1, head) as the server replays it, per batch and context."""
+    0 .. --layers-1, head) as the server replays it, per batch and context; with `tp`, this
+    rank's part of it (every rank runs this; rank 0 reports)."""
     from .model import GpuModel
-    from .weights import model_tensors
+    from .weights import random_source
 
+    rank, world = (tp.rank, tp.world) if tp else (0, 1)
+    say = print if rank == 0 else (lambda *a, **k: None)
     n = args.layers
     small = dataclasses.replace(c, n_layers=n, compress_ratios=c.compress_ratios[:n], n_mtp_layers=0)
-    print(f"whole model: layers 0..{n - 1} ({', '.join(layer_kind(r) for r in small.compress_ratios)}) + embedding + head", flush=True)
+    say(f"whole model: layers 0..{n - 1} ({', '.join(layer_kind(r) for r in small.compress_ratios)}) + embedding + head"
+        + (f", tensor-parallel over {world} GPUs ({args.collective} collectives)" if tp else ""), flush=True)
     rows_out = []
     for ctx in args.context:
         # One model per context, as a server of that context would hold it; it takes the weights
         # over layer by layer, so they are never held twice.
-        model = GpuModel(small, model_tensors(small, device), device, max_batch=max(args.batch), max_context=ctx)
+        model = GpuModel(small, random_source(small, device, args.seed, rank, world), device, max_batch=max(args.batch), max_context=ctx, tp=tp)
+        torch.manual_seed(args.seed)  # the same caches on every rank (they are replicated)
         for cache in model.caches:
             fill_random(small, cache)
         n_comp = {cache.ratio: cache.n_max for cache in model.caches}
@@ -337,21 +349,46 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
             rows = [(slot, ctx - 1, int(t)) for slot, t in zip(range(1, batch + 1), torch.randint(0, c.vocab_size, (batch,)))]
             model.step(rows)  # captures the bucket's graph
             step_us = replay_us(model._graphs[next(b for b in model.buckets if b >= batch)][0], args.reps)
-            nbytes = head_bytes(small, batch) + sum(
-                step_bytes(small, i, batch, n_comp[r], min(c.n_routed_experts, batch * c.n_activated_experts)) for i, r in enumerate(small.compress_ratios))
+            nbytes = head_bytes(small, batch, world) + sum(
+                step_bytes(small, i, batch, n_comp[r], min(c.n_routed_experts, batch * c.n_activated_experts), world) for i, r in enumerate(small.compress_ratios))
             floor = nbytes / bw * 1e6
-            rows_out.append((batch, ctx, step_us, nbytes, floor))
-            print(f"  batch {batch}, context {ctx}: {step_us:.1f} µs a step = {batch * 1e6 / step_us:.0f} tokens/s "
-                  f"({nbytes / 1e6:.0f} MB, floor {floor:.1f} µs, {step_us / floor:.1f}x)", flush=True)
+            coll = collective_us(small, tp, batch, args.reps) if tp else 0.0
+            rows_out.append((batch, ctx, step_us, nbytes, floor, coll))
+            say(f"  batch {batch}, context {ctx}: {step_us:.1f} µs a step = {batch * 1e6 / step_us:.0f} tokens/s "
+                f"({nbytes / 1e6:.0f} MB a GPU, floor {floor:.1f} µs, {step_us / floor:.1f}x; collectives {coll:.0f} µs)", flush=True)
         del model
         torch.cuda.empty_cache()
-    print(f"\n### dsuf bench --model: embedding + {n} V4-Flash layers + head, one CUDA graph per step (median of {args.reps} replays); "
-          f"routed experts counted as batch x 6 distinct; floor = bytes / {bw / 1e9:.0f} GB/s")
-    print("\n| batch | context | step µs | tokens/s | MB read | floor µs | × floor |")
-    print("|---|---|---|---|---|---|---|")
-    for batch, ctx, us, nbytes, floor in rows_out:
-        print(f"| {batch} | {ctx} | {us:.1f} | {batch * 1e6 / us:.0f} | {nbytes / 1e6:.0f} | {floor:.1f} | {us / floor:.1f} |")
+    say(f"\n### dsuf bench --model{f' --tp {world}' if tp else ''}: embedding + {n} V4-Flash layers + head, one CUDA graph per step "
+        f"(median of {args.reps} replays); routed experts counted as batch x 6 distinct; floor = bytes a GPU reads / {bw / 1e9:.0f} GB/s")
+    if tp:
+        say(f"collectives µs = the step's {2 * n} all-reduces and one logits all-gather ({args.collective}), timed alone in a CUDA graph")
+    say("\n| batch | context | step µs | tokens/s | MB read a GPU | floor µs | × floor | collectives µs |")
+    say("|---|---|---|---|---|---|---|---|")
+    for batch, ctx, us, nbytes, floor, coll in rows_out:
+        say(f"| {batch} | {ctx} | {us:.1f} | {batch * 1e6 / us:.0f} | {nbytes / 1e6:.0f} | {floor:.1f} | {us / floor:.1f} | {coll:.0f} |")
     return 0
+
+
+def collective_us(c: ModelConfig, tp: TensorParallel, batch: int, reps: int) -> float:
+    """What a step's collectives take at `batch` rows: 2 all-reduces a layer (attention and MoE
+    outputs) and the logits' all-gather, each timed as 20 back-to-back calls in a CUDA graph."""
+    x = torch.randn(batch, c.dim, device=torch.cuda.current_device()).to(torch.bfloat16)
+    part = torch.randn(batch, c.vocab_size // tp.world, device=x.device)
+    reduce_us = replay_us(graph_of_calls([lambda: tp.collective.all_reduce(x)] * 20), reps) / 20
+    gather_us = replay_us(graph_of_calls([lambda: tp.collective.all_gather(part)] * 20), reps) / 20
+    return 2 * c.n_layers * reduce_us + gather_us
+
+
+def _bench_rank(rank: int, c: ModelConfig, args: argparse.Namespace, init: str) -> None:
+    """One rank of `dsuf bench --model --tp N` (a process of its own, on GPU `rank`)."""
+    from . import tp as tensor_parallel
+
+    device = torch.device("cuda", rank)
+    group = tensor_parallel.start(rank, args.tp, init, device, args.collective, tensor_parallel.slot_bytes(c, args.tp, max(args.batch)))
+    bw = copy_bandwidth(device)
+    if rank == 0:
+        print(f"device-to-device copy: {bw / 1e9:.0f} GB/s (read + write), GPU 0", flush=True)
+    bench_model(c, args, device, bw, group)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -362,7 +399,8 @@ def run(args: argparse.Namespace) -> int:
     c = parse_config(raw)
     if getattr(c, "family", "v4") != "v4":
         raise SystemExit("dsuf bench: only V4-Flash layers are benchmarked so far")
-    layers = list(range(args.first_layer, args.first_layer + args.layers))
+    first = 0 if args.model else args.first_layer
+    layers = list(range(first, first + args.layers))
     if not layers or layers[-1] >= c.n_layers:
         raise SystemExit(f"dsuf bench: layers {layers} are not all in the model's {c.n_layers}")
     for ctx in args.context:
@@ -374,6 +412,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"dsuf bench: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}; layers {layers} "
           f"({', '.join(layer_kind(c.compress_ratios[i]) + (' hash' if c.is_hash_layer(i) else '') for i in layers)}), "
           f"batch {args.batch}, context {args.context}", flush=True)
+    if args.tp > 1:
+        if not args.model:
+            raise SystemExit("dsuf bench: --tp runs the whole model: add --model")
+        if torch.cuda.device_count() < args.tp:
+            raise SystemExit(f"dsuf bench: --tp {args.tp} needs {args.tp} GPUs, this machine has {torch.cuda.device_count()}")
+        check_tp(c, args.tp)
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.multiprocessing.start_processes(_bench_rank, args=(c, args, f"file://{tmp}/rendezvous"), nprocs=args.tp, start_method="spawn")
+        return 0
     bw = copy_bandwidth(device)
     print(f"device-to-device copy: {bw / 1e9:.0f} GB/s (read + write)", flush=True)
     if args.model:

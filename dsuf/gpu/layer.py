@@ -21,7 +21,7 @@ from dsuf.model import quant
 from dsuf.model.config import ModelConfig
 from dsuf.model.layers import Rope
 
-from .attention import new_pool, pack_kv, sparse_attention
+from .attention import HEADS, new_pool, pack_kv, sparse_attention
 from .compressor import compress_decode
 from .gemv import fp8_grouped_gemv
 from .indexer import INDEX_ENTRY_BYTES, fp4_quantize, index_scores, topk_indices
@@ -31,6 +31,7 @@ from .moe import Fp4Experts, Fp8Expert, MoeDecode
 from .norm import hc_collapse_rms_norm, rms_norm
 from .rope import rope_
 from .router import Router
+from .tp import TensorParallel
 
 
 def layer_kind(ratio: int) -> str:
@@ -155,11 +156,13 @@ def has_mm_out_dtype(device: torch.device) -> bool:
 class DecodeLayer:
     """One decode layer on the GPU path: the kernels of dsuf.gpu where they exist, torch for the
     compressors' projections (cuBLAS is as fast as our GEMV there) and the indexer's Hadamard
-    rotation of queries."""
+    rotation of queries. With `tp`, `t` holds this rank's shard (tp.shard) and the attention and
+    MoE outputs are all-reduced."""
 
-    def __init__(self, c: ModelConfig, layer: int, t: dict[str, torch.Tensor], device: torch.device) -> None:
+    def __init__(self, c: ModelConfig, layer: int, t: dict[str, torch.Tensor], device: torch.device, tp: TensorParallel | None = None) -> None:
         p, a, f = f"layers.{layer}", f"layers.{layer}.attn", f"layers.{layer}.ffn"
-        self.c, self.layer, self.ratio = c, layer, c.compress_ratios[layer]
+        self.c, self.layer, self.ratio, self.tp = c, layer, c.compress_ratios[layer], tp
+        self.heads = c.n_heads // (tp.world if tp else 1)  # this rank's query heads
         self.hash = c.is_hash_layer(layer)
         self.hc_attn, self.hc_ffn = (
             HcSite(t[f"{p}.hc_{s}_fn"], t[f"{p}.hc_{s}_base"], t[f"{p}.hc_{s}_scale"], c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters) for s in ("attn", "ffn")
@@ -171,7 +174,9 @@ class DecodeLayer:
 
         self.wq_a, self.wq_b, self.wkv, self.wo_b = fp8(f"{a}.wq_a"), fp8(f"{a}.wq_b"), fp8(f"{a}.wkv"), fp8(f"{a}.wo_b")
         self.q_norm, self.kv_norm = t[f"{a}.q_norm.weight"].float(), t[f"{a}.kv_norm.weight"].float()
-        self.sink = t[f"{a}.attn_sink"].float()
+        # The attention kernel runs 64 heads: a rank's fewer heads are padded with zero queries.
+        self.sink = torch.zeros(HEADS, device=device)
+        self.sink[: self.heads] = t[f"{a}.attn_sink"].float()
         # wo_a: the reference dequantises it to bf16 for a grouped bf16 matmul; the kernel reads
         # the FP8 weight and dequantises exactly in registers.
         self.wo_a = (t[f"{a}.wo_a.weight"], t[f"{a}.wo_a.scale"])
@@ -209,13 +214,17 @@ class DecodeLayer:
         out = torch.mm(y, self.proj.t(), out_dtype=torch.float32) if self.mm_out_dtype else y.float() @ self.proj.t()
         return list(out.split(self.proj_split, dim=1))
 
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial outputs summed (the output itself without tensor parallelism)."""
+        return self.tp.collective.all_reduce(partial) if self.tp else partial
+
     def stages(self, cache: LayerCache, ix: StepIndex) -> list[Stage]:
         """The decode step of this layer as stages over a buffer dict: reads f"x{layer}" (bf16
         [B, 4, D]), "ids" (int64 [B]), "slots" and "pos" (int64 [B]); writes f"x{layer + 1}".
         In-place ops touch only tensors made in the same stage (and the caches), so any stage can
         be replayed alone."""
         c, L, ratio = self.c, self.layer, self.ratio
-        heads, hd = c.n_heads, c.head_dim
+        heads, hd = self.heads, c.head_dim
         kind = layer_kind(ratio)
 
         def mhc_attn(b: dict) -> None:
@@ -228,7 +237,10 @@ class DecodeLayer:
             qr = rms_norm(self.wq_a.forward_quantized(xq, sx), self.q_norm, c.norm_eps)
             b[f"{L}.qr_q"] = act_quant(qr)
             q = rms_norm(self.wq_b.forward_quantized(*b[f"{L}.qr_q"]).view(rows, heads, hd), None, c.norm_eps)
-            b[f"{L}.q"] = rope_(q, ix.cos, ix.sin)
+            q = rope_(q, ix.cos, ix.sin)
+            if heads < HEADS:
+                q = torch.cat((q, q.new_zeros(rows, HEADS - heads, hd)), dim=1)
+            b[f"{L}.q"] = q
             kv = rms_norm(self.wkv.forward_quantized(xq, sx), self.kv_norm, c.norm_eps)
             rope_(kv.view(rows, 1, hd), ix.cos, ix.sin)
             pack_kv(kv, cache.pool, ix.window_slot)
@@ -253,13 +265,13 @@ class DecodeLayer:
 
         def attend(b: dict) -> None:
             o = sparse_attention(b[f"{L}.q"], cache.pool, ix.attn_idx, self.sink, hd**-0.5)
-            b[f"{L}.o"] = rope_(o, ix.cos, ix.sin, inverse=True)
+            b[f"{L}.o"] = rope_(o[:, :heads].contiguous(), ix.cos, ix.sin, inverse=True)
 
         def wo_a(b: dict) -> None:
-            b[f"{L}.oa"] = fp8_grouped_gemv(b[f"{L}.o"].view(b[f"{L}.o"].shape[0], -1), *self.wo_a, c.o_groups)
+            b[f"{L}.oa"] = fp8_grouped_gemv(b[f"{L}.o"].view(b[f"{L}.o"].shape[0], -1), *self.wo_a, c.o_groups * heads // c.n_heads)
 
         def wo_b_expand(b: dict) -> None:
-            b[f"{L}.attn"] = self.wo_b(b[f"{L}.oa"])
+            b[f"{L}.attn"] = self._sum(self.wo_b(b[f"{L}.oa"]))
             b[f"{L}.xa"] = hc_expand(b[f"{L}.attn"], b[f"x{L}"], b[f"{L}.post"], b[f"{L}.comb"])
 
         def mhc_ffn_route(b: dict) -> None:
@@ -268,7 +280,7 @@ class DecodeLayer:
             b[f"{L}.route"] = self.router(b[f"{L}.y2"], b["ids"])
 
         def moe_expand(b: dict) -> None:
-            b[f"{L}.moe"] = self.moe(b[f"{L}.y2"], *b[f"{L}.route"])
+            b[f"{L}.moe"] = self._sum(self.moe(b[f"{L}.y2"], *b[f"{L}.route"]))
             b[f"x{L + 1}"] = hc_expand(b[f"{L}.moe"], b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
 
         out = [

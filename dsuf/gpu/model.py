@@ -14,6 +14,8 @@ time (prefill kernels come later), so prefill, chunked prefill and decode are on
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dsuf.model.config import ModelConfig
@@ -24,6 +26,23 @@ from .attention import pack_kv, unpack_kv
 from .indexer import pack_index_keys, unpack_index_keys
 from .layer import DecodeLayer, LayerCache, StepIndex, has_mm_out_dtype, step_index
 from .norm import rms_norm
+from .tp import TensorParallel, check_tp
+
+# Where the model's tensors come from: source(None) -> the embedding, the head and their norms,
+# source(i) -> layer i's (checkpoint names; a tensor-parallel rank's shard of them, see tp.shard).
+TensorSource = Callable[[int | None], dict[str, torch.Tensor]]
+HEAD_PREFIXES = ("embed.", "head.", "norm.", "hc_head_")
+
+
+def taking_from(tensors: dict[str, torch.Tensor]) -> TensorSource:
+    """A source that takes the tensors out of a dict as the model asks for them (so a converted
+    layer's checkpoint tensors can be freed before the next is converted)."""
+
+    def take(layer: int | None) -> dict[str, torch.Tensor]:
+        prefixes = HEAD_PREFIXES if layer is None else (f"layers.{layer}.",)
+        return {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(prefixes)]}
+
+    return take
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -51,20 +70,23 @@ class GpuSequence:
 
 
 class GpuModel:
-    """Takes the tensors it uses (checkpoint names; the MTP layers are not run yet) out of
-    `tensors` as it converts them."""
+    """Takes the tensors it uses (checkpoint names; the MTP layers are not run yet) from `tensors`
+    (a dict, emptied as they are converted, or a TensorSource). With `tp`, this is one rank of a
+    tensor-parallel model: every rank is built, and steps, together."""
 
-    def __init__(self, c: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device, max_batch: int = 8,
-                 max_context: int = 65536, graphs: bool = True) -> None:
+    def __init__(self, c: ModelConfig, tensors: dict[str, torch.Tensor] | TensorSource, device: torch.device, max_batch: int = 8,
+                 max_context: int = 65536, graphs: bool = True, tp: TensorParallel | None = None) -> None:
         check_kernel_shapes(c)
+        check_tp(c, tp.world if tp else 1)
         if max_context % 128 or max_context < 128:
             raise ValueError(f"max_context must be a positive multiple of 128, got {max_context}")
-        self.config, self.device, self.max_context, self.graphs = c, device, max_context, graphs
+        self.config, self.device, self.max_context, self.graphs, self.tp = c, device, max_context, graphs, tp
+        source = taking_from(tensors) if isinstance(tensors, dict) else tensors
 
-        def take(prefix: str) -> dict[str, torch.Tensor]:
-            return {k: tensors.pop(k).to(device) for k in [k for k in tensors if k.startswith(prefix)]}
+        def take(layer: int | None) -> dict[str, torch.Tensor]:
+            return {k: v.to(device) for k, v in source(layer).items()}
 
-        head = take("embed.") | take("head.") | take("norm.") | take("hc_head_")
+        head = take(None)
         self.embed, self.head = head["embed.weight"], head["head.weight"]
         self.norm = head["norm.weight"].float()
         self.hc_fn, self.hc_base, self.hc_scale = (head[f"hc_head_{k}"].float() for k in ("fn", "base", "scale"))
@@ -72,7 +94,7 @@ class GpuModel:
             self.head = self.head.float()
         # Layer by layer, dropping each layer's checkpoint tensors once converted, so the weights
         # are never all held twice (the experts' kernel layout is a copy).
-        self.layers = [DecodeLayer(c, i, take(f"layers.{i}."), device) for i in range(c.n_layers)]
+        self.layers = [DecodeLayer(c, i, take(i), device, tp) for i in range(c.n_layers)]
         for layer in self.layers:
             layer.moe.reserve(max_batch * c.n_activated_experts)
         slots = max_batch + 1
@@ -84,6 +106,8 @@ class GpuModel:
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
         # Compile every kernel (NVRTC, cached on disk) and capture the batch-1 step now, so that the
         # worker says Ready only once the first request can run at full speed.
+        if tp:
+            tp.kernels_ready(device)
         if graphs:
             self._capture(self.buckets[0])
         else:
@@ -133,8 +157,10 @@ class GpuModel:
         pre = torch.sigmoid(mix * self.hc_scale[0] + self.hc_base) + c.hc_eps
         h = rms_norm((pre.unsqueeze(-1) * x.float()).sum(1).to(torch.bfloat16), self.norm, c.norm_eps)
         if self.head.dtype == torch.float32:
-            return h.float() @ self.head.t()
-        return torch.mm(h, self.head.t(), out_dtype=torch.float32)
+            logits = h.float() @ self.head.t()
+        else:
+            logits = torch.mm(h, self.head.t(), out_dtype=torch.float32)
+        return self.tp.collective.all_gather(logits) if self.tp else logits  # a rank holds a slice of the vocabulary
 
     def step(self, rows: list[tuple[int, int, int]]) -> torch.Tensor:
         """Feed one token to each (slot, position, token id); logits float32 [len(rows), vocab] on the device."""

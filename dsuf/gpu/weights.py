@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from dsuf.model import quant
 from dsuf.model.config import ModelConfig, parse_config
 
 from .linear import BLOCK
+from .tp import shard
 
 # DeepSeek-V4-Flash's config.json: the architecture keys, with the released values.
 V4_FLASH_CONFIG = {
@@ -138,11 +140,10 @@ def layer_tensors(c: ModelConfig, layer: int, device: torch.device) -> dict[str,
     return t
 
 
-def model_tensors(c: ModelConfig, device: torch.device, layers: range | None = None) -> dict[str, torch.Tensor]:
-    """The whole model's tensors (its decode layers, or `layers` of them), without the MTP layers
-    (the GPU path does not run them yet)."""
+def head_tensors(c: ModelConfig, device: torch.device) -> dict[str, torch.Tensor]:
+    """The embedding, the head, the final norm and the head's mHC collapse."""
     d = c.dim
-    t = {
+    return {
         "embed.weight": torch.randn(c.vocab_size, d, device=device).to(torch.bfloat16),
         "head.weight": (torch.randn(c.vocab_size, d, device=device) * d**-0.5).to(torch.bfloat16),
         "norm.weight": (1 + 0.1 * torch.randn(d, device=device)).to(torch.bfloat16),
@@ -150,9 +151,29 @@ def model_tensors(c: ModelConfig, device: torch.device, layers: range | None = N
         "hc_head_base": torch.randn(c.hc_mult, device=device) * 0.5,
         "hc_head_scale": torch.rand(1, device=device) + 0.5,
     }
-    for i in layers if layers is not None else range(c.n_layers):
+
+
+def model_tensors(c: ModelConfig, device: torch.device) -> dict[str, torch.Tensor]:
+    """The whole model's tensors at once, without the MTP layers (the GPU path does not run them
+    yet), from the global random generator."""
+    t = head_tensors(c, device)
+    for i in range(c.n_layers):
         t |= layer_tensors(c, i, device)
     return t
+
+
+def random_source(c: ModelConfig, device: torch.device, seed: int, rank: int = 0, world: int = 1) -> Callable[[int | None], dict[str, torch.Tensor]]:
+    """The model's tensors made one layer at a time as GpuModel asks for them (a TensorSource),
+    each part from its own seed: every rank of a tensor-parallel model makes the same whole part
+    and keeps its shard, so any number of ranks holds the same model."""
+
+    def take(layer: int | None) -> dict[str, torch.Tensor]:
+        torch.manual_seed(seed * 1_000_003 + (0 if layer is None else layer + 1))
+        t = head_tensors(c, device) if layer is None else layer_tensors(c, layer, device)
+        # The routed experts as the stacked tensors only (the per-expert views are for the reference model).
+        return shard({k: v for k, v in t.items() if ".experts." not in k or ".experts.stacked." in k}, rank, world)
+
+    return take
 
 
 def random_weights_config(path: Path) -> ModelConfig:

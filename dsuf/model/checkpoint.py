@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -324,9 +325,9 @@ def check_tp(c: ModelConfig, world: int) -> None:
         raise CheckpointError(f"tensor parallelism {world} does not fit this model: " + "; ".join(problems))
 
 
-def rank_tensor_names(schema: dict[str, TensorSpec], c: ModelConfig, rank: int, world: int) -> list[str]:
+def rank_tensor_names(schema: dict[str, TensorSpec], c: ModelConfig, rank: int, world: int, rule: Callable[[str], ShardRule] = shard_rule) -> list[str]:
     """The tensors a rank holds: all but the routed experts of other ranks."""
-    return [n for n in schema if (e := shard_rule(n).expert) is None or e in expert_range(c.n_experts_of(n)[0], rank, world)]
+    return [n for n in schema if (e := rule(n).expert) is None or e in expert_range(c.n_experts_of(n)[0], rank, world)]
 
 
 def slice_for_rank(shape: tuple[int, ...], rule: ShardRule, rank: int, world: int) -> tuple[slice, ...]:
@@ -397,15 +398,18 @@ def _summarise(names: list[str], limit: int = 8) -> str:
     return shown + (f" … (+{len(names) - limit} more)" if len(names) > limit else "")
 
 
-def load_tensors(ckpt_dir: str | Path, c: ModelConfig, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
-    """Read one tensor-parallel rank's slice of every tensor, checking names, shapes and dtypes.
+def load_tensors(
+    ckpt_dir: str | Path, c: ModelConfig, rank: int = 0, world: int = 1, rule: Callable[[str], ShardRule] = shard_rule
+) -> dict[str, torch.Tensor]:
+    """Read one tensor-parallel rank's slice of every tensor, checking names, shapes and dtypes;
+    `rule` says how each tensor splits (default: the reference path's plan; the GPU path has its own).
 
     Returns tensors in their storage dtypes (FP8 e4m3, E8M0, packed I8, BF16, F32, I64).
     """
     ckpt_dir = Path(ckpt_dir)
     if not 0 <= rank < world:
         raise CheckpointError(f"tensor-parallel rank {rank} is outside a world of {world}")
-    if world > 1:
+    if world > 1 and rule is shard_rule:  # another plan checks its own split points
         check_tp(c, world)
     schema = checkpoint_schema(c)
     weight_map = read_index(ckpt_dir)
@@ -419,7 +423,7 @@ def load_tensors(ckpt_dir: str | Path, c: ModelConfig, rank: int = 0, world: int
             parts.append(f"unexpected {len(extra)}: {_summarise(extra)}")
         raise CheckpointError(f"checkpoint {ckpt_dir} does not match its config: " + "; ".join(parts))
 
-    wanted = rank_tensor_names(schema, c, rank, world)
+    wanted = rank_tensor_names(schema, c, rank, world, rule)
     by_file: dict[str, list[str]] = {}
     for name in wanted:
         by_file.setdefault(weight_map[name], []).append(name)
@@ -443,9 +447,9 @@ def load_tensors(ckpt_dir: str | Path, c: ModelConfig, rank: int = 0, world: int
                 if shape != spec.shape or dtype not in _ACCEPTED_DTYPES.get(spec.dtype, (spec.dtype,)):
                     wrong.append(f"{name} is {dtype}{list(shape)}, expected {spec.dtype}{list(spec.shape)}")
                     continue
-                rule = shard_rule(name)
-                tensors[name] = view[slice_for_rank(shape, rule, rank, world)]
-                if rule.padded:
+                how = rule(name)
+                tensors[name] = view[slice_for_rank(shape, how, rank, world)]
+                if how.padded:
                     tensors[name] = _pad_rows(tensors[name], -(-shape[0] // world))
     if wrong:
         raise CheckpointError(f"{len(wrong)} tensor(s) with the wrong dtype or shape: " + "; ".join(wrong[:8]))

@@ -27,8 +27,12 @@ log = logging.getLogger("dsuf.worker")
 
 
 class Worker:
-    def __init__(self, model, num: Numerics, revision: str, arena: Arena | None = None) -> None:
+    """`leader`: this worker samples and takes snapshots. The other ranks of a tensor-parallel
+    model run the same steps (their forward passes meet in collectives) and report no tokens."""
+
+    def __init__(self, model, num: Numerics, revision: str, arena: Arena | None = None, leader: bool = True) -> None:
         self.model = model
+        self.leader = leader
         self.num = num
         self.revision = revision
         self.arena = arena
@@ -70,12 +74,12 @@ class Worker:
             return StepDone(step.step, outputs, time.perf_counter() - began, made, written)
         for work, row in zip(runnable, logits):
             try:
-                choice = self.samplers[work.seq].sample(row[-1]) if work.sample else None
+                choice = self.samplers[work.seq].sample(row[-1]) if work.sample and self.leader else None
                 outputs.append(SeqOutput(work.seq, choice=choice))
             except Exception as exc:
                 outputs.append(self._fail(work.seq, exc))
                 continue
-            if work.snapshot is not None:
+            if work.snapshot is not None and self.leader:
                 try:
                     made.append(self._snapshot(work.seq, work.snapshot))
                 except Exception:  # a snapshot is an optimisation: losing one never fails the request
@@ -122,30 +126,33 @@ class Worker:
 
 def load_worker_model(args: argparse.Namespace):
     """The reference model on the CPU, or with --gpu the GPU path (from the checkpoint, or from
-    random weights of --random-weights CONFIG's shapes, made on the GPU)."""
+    random weights of --random-weights CONFIG's shapes, made on the GPU); with --tp-world N, this
+    worker's rank of a tensor-parallel model (every rank's worker loads at the same time)."""
     if args.gpu is None:
         from dsuf.model import load_model
 
         return load_model(args.ckpt)
     from pathlib import Path
 
+    from dsuf.gpu import tp
     from dsuf.gpu.model import GpuModel
     from dsuf.model.config import load_any_config
 
     device = torch.device("cuda", args.gpu)
     torch.cuda.set_device(device)
+    rank, world = args.tp_rank, args.tp_world
     if args.random_weights:
-        from dsuf.gpu.weights import model_tensors, random_weights_config
+        from dsuf.gpu.weights import random_source, random_weights_config
 
         config = random_weights_config(Path(args.random_weights))
-        torch.manual_seed(args.seed)
-        tensors = model_tensors(config, device)
+        tensors = random_source(config, device, args.seed, rank, world)
     else:
         from dsuf.model.checkpoint import load_tensors
 
         config = load_any_config(args.ckpt)
-        tensors = load_tensors(args.ckpt, config)
-    return GpuModel(config, tensors, device, max_batch=args.max_batch, max_context=args.max_context)
+        tensors = load_tensors(args.ckpt, config, rank, world, rule=tp.shard_rule)
+    group = tp.start(rank, world, args.tp_init, device, slot_bytes=tp.slot_bytes(config, world, args.max_batch)) if world > 1 else None
+    return GpuModel(config, tensors, device, max_batch=args.max_batch, max_context=args.max_context, tp=group)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -157,7 +164,7 @@ def serve(args: argparse.Namespace) -> int:
         began = time.perf_counter()
         model = load_worker_model(args)
         num = Numerics.parse(args.numerics)
-        worker = Worker(model, num, args.revision, Arena.attach(args.arena) if args.arena else None)
+        worker = Worker(model, num, args.revision, Arena.attach(args.arena) if args.arena else None, leader=args.tp_rank == 0)
         c = model.config
         outbox.send(Ready(model=c.name, vocab_size=c.vocab_size, eos_token_id=c.eos_token_id, load_seconds=time.perf_counter() - began))
     except Exception as exc:
@@ -182,6 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of --random-weights")
     parser.add_argument("--max-batch", type=int, default=64, help="GPU path: sequences held at once")
     parser.add_argument("--max-context", type=int, default=65536, help="GPU path: tokens a sequence may hold")
+    parser.add_argument("--tp-rank", type=int, default=0, help="GPU path: this worker's tensor-parallel rank")
+    parser.add_argument("--tp-world", type=int, default=1, help="GPU path: tensor-parallel ranks (one worker each)")
+    parser.add_argument("--tp-init", default="", help="GPU path: the ranks' rendezvous, e.g. tcp://127.0.0.1:PORT")
     parser.add_argument("--numerics", default="reference")
     parser.add_argument("--inbox", required=True)
     parser.add_argument("--inbox-fd", type=int, required=True)
@@ -195,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--ckpt or --random-weights is required")
     if args.random_weights and args.gpu is None:
         parser.error("--random-weights needs --gpu")
+    if args.tp_world > 1 and (args.gpu is None or not args.tp_init or not 0 <= args.tp_rank < args.tp_world):
+        parser.error("--tp-world needs --gpu, --tp-init and a --tp-rank below it")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     sys.exit(serve(args))
 

@@ -1,0 +1,125 @@
+"""Tensor parallelism of the GPU path: how the weights split over the ranks of one host, and the
+ranks' process group and collective.
+
+The split is made for batch-1 decode, and differs from the reference converter's plan
+(checkpoint.shard_rule) where that plan would cost time:
+- attention: the query heads split (wq_b rows, attn_sink, wo_a's groups), wo_b by columns, so each
+  rank adds a partial sum of the attention output: all-reduced. The single KV head, the
+  compressors and the whole indexer are replicated: the indexer's top-k needs every head's
+  scores, and reading its 8 MB wq_b costs less than one more all-reduce a layer.
+- MoE: every routed expert and the shared expert split along the intermediate dimension (w1 / w3
+  rows, w2 columns), so a token's six experts load every rank equally (an expert-parallel split
+  leaves one rank most of them at batch 1); the partial outputs are all-reduced.
+- the head by vocabulary rows, the logits all-gathered; the embedding replicated (a step reads B
+  of its rows, not the table).
+Replicated parts run on every rank on identical inputs (the collectives give every rank the same
+bits), so replicated state (KV caches, compressor states, expert routes) stays identical on all
+ranks, and any rank can export a sequence's state.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dsuf.model.checkpoint import ShardRule
+from dsuf.model.config import ModelConfig
+
+from .collective import Collective, IpcCollective, NcclCollective
+
+_ROWS = re.compile(r"^head\.weight$|\.attn\.(wq_b|wo_a)\.(weight|scale)$|\.attn\.attn_sink$|\.ffn\.(shared_experts|experts\.\w+)\.w[13]\.(weight|scale)$")
+_COLS = re.compile(r"\.attn\.wo_b\.(weight|scale)$|\.ffn\.(shared_experts|experts\.\w+)\.w2\.(weight|scale)$")
+
+
+def shard_dim(name: str) -> int | None:
+    """The dimension of tensor `name` split over the ranks (None: replicated). Stacked routed
+    experts ([E, rows, cols], random weights) split one dimension further in."""
+    stacked = ".experts.stacked." in name
+    if _ROWS.search(name):
+        return 1 if stacked else 0
+    if _COLS.search(name):
+        return 2 if stacked else 1
+    return None
+
+
+def shard_rule(name: str) -> ShardRule:
+    """`shard_dim` as checkpoint.load_tensors takes it (for reading a rank's slices of a checkpoint)."""
+    return ShardRule(dim=shard_dim(name))
+
+
+def shard(tensors: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s part of every tensor (split ones copied out, so the whole can be freed)."""
+    if world == 1:
+        return tensors
+    out = {}
+    for name, t in tensors.items():
+        dim = shard_dim(name)
+        if dim is None:
+            out[name] = t
+            continue
+        per = t.shape[dim] // world
+        out[name] = t.narrow(dim, rank * per, per).clone()
+    return out
+
+
+def check_tp(c: ModelConfig, world: int) -> None:
+    """A one-line ValueError where the split cannot fall on heads, groups, and quantisation
+    blocks, or the kernels' tile sizes."""
+    wrong = []
+    if world < 1 or world > 8 or world & (world - 1):
+        wrong.append("the ranks must be 1, 2, 4 or 8")
+    elif world > 1:
+        if c.n_heads % world or c.o_groups % world:
+            wrong.append(f"{c.n_heads} heads in {c.o_groups} groups")
+        if c.moe_inter_dim % (128 * world):
+            wrong.append(f"moe_inter_dim {c.moe_inter_dim} (needs a multiple of {128 * world})")
+        if c.vocab_size % (4 * world):
+            wrong.append(f"vocab_size {c.vocab_size} (needs a multiple of {4 * world})")
+    if wrong:
+        raise ValueError(f"{c.name} cannot be split over {world} GPUs: " + ", ".join(wrong))
+
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def slot_bytes(c: ModelConfig, world: int, max_batch: int) -> int:
+    """The largest message a rank gives a collective of the step: max_batch rows of hidden state
+    (bf16) or of its share of the logits (float32)."""
+    return max_batch * max(2 * c.dim, 4 * c.vocab_size // world)
+
+
+@dataclass
+class TensorParallel:
+    rank: int
+    world: int
+    collective: Collective
+
+    def kernels_ready(self, device: torch.device) -> None:
+        """Compile (or find cached) every kernel for the device, then wait for all ranks: a rank
+        compiling while a peer waits in a collective could outlast the collective's timeout."""
+        from .build import KernelCache, load_sources
+        from .runtime import device_arch
+
+        cache, arch = KernelCache(), device_arch(device)
+        for source in load_sources():
+            cache.get(source, arch)
+        dist.barrier()
+
+
+def start(rank: int, world: int, init_method: str, device: torch.device, kind: str = "ipc", slot_bytes: int = 16 << 20) -> TensorParallel:
+    """Join the ranks' process group (gloo, for setting up) and build the collective: "ipc"
+    (kernels_cu/collective.cu, with staging slots of slot_bytes) or "nccl"."""
+    for key, off in MULTICAST_OFF.items():  # NVLink multicast stays off on these machines
+        os.environ.setdefault(key, off)
+    torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    if kind == "ipc":
+        return TensorParallel(rank, world, IpcCollective(None, device, slot_bytes))
+    if kind == "nccl":
+        return TensorParallel(rank, world, NcclCollective(dist.new_group(backend="nccl")))
+    raise ValueError(f"unknown collective {kind!r} (ipc or nccl)")
