@@ -17,7 +17,8 @@
 // on: for ratio 4 the current group's rows become rows 0..3; the current rows are reset to kv 0,
 // score -inf.
 //
-// grid (width / 64, B) in clusters of width / 64 CTAs, one cluster per row; a CTA pools 64
+// grid (width / 64, R) in clusters of width / 64 CTAs, one cluster per run of rows (a row, or
+// the rows of one sequence at consecutive positions, taken in order); a CTA pools 64
 // channels: 16 threads of 4 channels times LN slot lanes. CTA 0 of the cluster gathers the pooled
 // bf16 row from its peers' shared memory, normalises, rotates and writes the entry.
 #include "cache_entries.cuh"
@@ -44,6 +45,7 @@ struct CompressParams {
   i64 score_stride;
   double eps;
   const i64* state_row;  // [B] or null: row b's state is state[state_row[b]] (else state[b])
+  const int* runs;       // [R + 1] or null: cluster y takes rows runs[y] .. runs[y + 1] - 1 in order (else row y)
 };
 
 DSUF_DEVICE float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
@@ -66,7 +68,7 @@ DSUF_DEVICE u16 ld_peer_u16(const u16* local, u32 rank) {
 }
 
 template <int WIDTH, int RATIO, int LN>
-DSUF_DEVICE void compress_step(const CompressParams& p) {
+DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
   constexpr bool OVERLAP = RATIO == 4;
   constexpr int C = OVERLAP ? 2 * WIDTH : WIDTH;   // projection / state channels
   constexpr int NS = OVERLAP ? 2 * RATIO : RATIO;  // state rows = pooled slots
@@ -76,7 +78,6 @@ DSUF_DEVICE void compress_step(const CompressParams& p) {
   static_assert(NS % LN == 0 && WIDTH % CH == 0 && WIDTH % NT == 0 && NT >= 32, "compressor shape");
   static_assert(WIDTH == 512 || (WIDTH == IDX_DIM && NT == IDX_DIM), "KV entries of 512 or index keys of 128");
 
-  const int b = blockIdx.y;
   // What CTA 0 needs to finish an entry, loaded with the position (none of it depends on it).
   float freq = 0.0f, weight[WIDTH / NT];
   i64 dst = -1;
@@ -272,6 +273,17 @@ DSUF_DEVICE void compress_step(const CompressParams& p) {
     }
   }
   cluster_wait();
+}
+
+// A cluster's rows one after another: rows of one sequence (one state) must join it in position order.
+template <int WIDTH, int RATIO, int LN>
+DSUF_DEVICE void compress_step(const CompressParams& p) {
+  const int first = p.runs ? p.runs[blockIdx.y] : (int)blockIdx.y;
+  const int end = p.runs ? p.runs[blockIdx.y + 1] : (int)blockIdx.y + 1;
+  for (int b = first; b < end; ++b) {
+    compress_row<WIDTH, RATIO, LN>(p, b);
+    __syncthreads();  // this row's state writes before the next row's reads (other threads' lanes)
+  }
 }
 
 extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(128) compress_csa(const __grid_constant__ CompressParams p) {

@@ -1,18 +1,21 @@
 """Where the GPU path's decode step reads and writes in its caches (`dsuf.gpu.layer.step_index`,
 `LayerCache`): pure torch, so it is specified here, on the CPU, against the reference's visibility
 rules (`dsuf.model.v4`): window attention sees the last W positions, compressed entry j exists
-once its group is complete and is visible to query i iff j < (i + 1) // ratio."""
+once its group is complete and is visible to query i iff j < (i + 1) // ratio. A step may hold a
+prompt chunk (rows of one sequence at consecutive positions): no row's write may land where an
+earlier row of the chunk still reads."""
 
 from __future__ import annotations
 
 import torch
 
-from dsuf.gpu.layer import LayerCache, layer_rope, step_index
+from dsuf.gpu.layer import PREFILL_CHUNK, LayerCache, layer_rope, ring_size, step_index
 from dsuf.gpu.weights import V4_FLASH_CONFIG
 from dsuf.model.config import parse_config
 
 C = parse_config(V4_FLASH_CONFIG)
 W = C.window_size
+RING = ring_size(C)
 CONTEXT = 4096
 SLOTS = 5
 POSITIONS = [0, 1, 3, 4, 126, 127, 128, 129, 511, 512, 1000, CONTEXT - 1]
@@ -24,10 +27,11 @@ def index_of(ratio: int, slots: list[int], positions: list[int]):
     return cache, ix
 
 
-def test_each_slot_owns_its_window_ring_then_its_compressed_entries() -> None:
+def test_each_slot_owns_its_ring_then_its_compressed_entries() -> None:
+    assert RING == W + PREFILL_CHUNK
     for ratio, n_max in ((0, 0), (4, CONTEXT // 4), (128, CONTEXT // 128)):
         cache, _ = index_of(ratio, [0], [0])
-        assert cache.stride == W + n_max and cache.pool.shape[0] == SLOTS * (W + n_max)
+        assert cache.stride == RING + n_max and cache.pool.shape[0] == SLOTS * (RING + n_max)
         if ratio == 4:
             assert cache.keys.shape[0] == SLOTS * n_max and cache.idx_kv.shape[0] == SLOTS
 
@@ -37,9 +41,9 @@ def test_the_window_holds_exactly_the_last_w_positions() -> None:
     cache, ix = index_of(0, slots, POSITIONS)
     for row, (slot, pos) in enumerate(zip(slots, POSITIONS)):
         base = slot * cache.stride
-        assert int(ix.window_slot[row]) == base + pos % W  # the ring slot of this token
+        assert int(ix.window_slot[row]) == base + pos % RING  # the ring slot of this token
         picked = sorted(int(e) for e in ix.attn_idx[row] if e >= 0)
-        held = sorted(base + p % W for p in range(max(0, pos - W + 1), pos + 1))  # ring slots of visible positions
+        held = sorted(base + p % RING for p in range(max(0, pos - W + 1), pos + 1))  # ring slots of visible positions
         assert picked == held, f"position {pos}"
         assert ix.attn_idx.shape[1] == W
 
@@ -51,9 +55,9 @@ def test_hca_rows_attend_to_every_complete_group_and_write_the_one_they_complete
     for row, pos in enumerate(POSITIONS):
         base = 2 * cache.stride
         compressed = sorted(int(e) for e in ix.attn_idx[row, W:] if e >= 0)
-        assert compressed == [base + W + j for j in range((pos + 1) // ratio)], f"position {pos}"
-        assert int(ix.comp_slot[row]) == base + W + pos // ratio  # written only if (pos + 1) % ratio == 0
-        assert int(ix.comp_base[row]) == base + W and int(ix.positions[row]) == pos
+        assert compressed == [base + RING + j for j in range((pos + 1) // ratio)], f"position {pos}"
+        assert int(ix.comp_slot[row]) == base + RING + pos // ratio  # written only if (pos + 1) % ratio == 0
+        assert int(ix.comp_base[row]) == base + RING and int(ix.positions[row]) == pos
 
 
 def test_csa_rows_score_the_visible_index_keys_and_leave_the_picks_to_the_top_k() -> None:
@@ -71,3 +75,28 @@ def test_rope_tables_follow_each_rows_position() -> None:
     rope = layer_rope(C, 4, torch.device("cpu"))
     cos, sin = rope.cos_sin(torch.tensor([5, 70000 % CONTEXT]))
     assert torch.equal(ix.cos, cos) and torch.equal(ix.sin, sin)
+
+
+def test_a_prompt_chunk_never_overwrites_what_its_earlier_rows_read() -> None:
+    """A chunk of PREFILL_CHUNK rows of one sequence writes all its KV before any row attends: every
+    row still finds the last W positions it sees in the ring, and no two rows write one entry."""
+    for start in (0, 5, W - 1, 1000):
+        positions = list(range(start, start + PREFILL_CHUNK))
+        cache, ix = index_of(0, [3] * len(positions), positions)
+        written = [int(e) for e in ix.window_slot]
+        assert len(set(written)) == len(written)
+        holds = {e: p for p, e in zip(positions, written)}  # what the chunk leaves in the ring
+        for row, pos in enumerate(positions):
+            for e in ix.attn_idx[row].tolist():
+                if e >= 0 and e in holds:
+                    assert holds[e] <= pos and holds[e] > pos - W, f"row at {pos} reads entry {e}, which holds position {holds[e]}"
+
+
+def test_the_exported_window_is_the_references_ring() -> None:
+    """LayerCache.window: the last W positions before pos, as rows of the reference's ring
+    (position % W) and as pool entries (position % RING of the slot)."""
+    cache, _ = index_of(0, [0], [0])
+    for pos in (0, 1, W - 1, W, W + 7, 3 * RING + 5):
+        rows, entries = cache.window(C, 2, pos)
+        seen = list(range(max(0, pos - W), pos))
+        assert rows.tolist() == [p % W for p in seen] and entries.tolist() == [2 * cache.stride + p % RING for p in seen]

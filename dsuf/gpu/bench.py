@@ -43,7 +43,7 @@ from dsuf.model.layers import Numerics
 
 from .attention import KV_ENTRY_BYTES, pack_kv, unpack_kv
 from .indexer import INDEX_ENTRY_BYTES, pack_index_keys, unpack_index_keys
-from .layer import DecodeLayer, LayerCache, Stage, layer_kind, step_index
+from .layer import PREFILL_CHUNK, DecodeLayer, LayerCache, Stage, layer_kind, ring_size, step_index
 from .linear import BLOCK
 from .tp import TensorParallel, check_tp
 from .weights import V4_FLASH_CONFIG, layer_tensors
@@ -175,18 +175,20 @@ def reference_blocks(c: ModelConfig, layers: list[int], tensors: dict[str, torch
         return [v4.Block(w, f"layers.{i}", c.compress_ratios[i], c.is_hash_layer(i)) for i in layers]
 
 
-def reference_states(c: ModelConfig, ratio: int, st: LayerCache) -> list:
+def reference_states(c: ModelConfig, ratio: int, st: LayerCache, position: int) -> list:
     """The reference's per-sequence LayerStates holding exactly what the fast path's caches hold
-    before the step (the compressed entry and index key the step makes are left out)."""
+    before the step at `position` (the compressed entry and index key the step makes are left out)."""
     from dsuf.model.state import CompressorState, LayerState
 
-    window, n = c.window_size, st.n_max
+    n = st.n_max
     out = []
     for b in range(st.slots):
         base = b * st.stride
-        state = LayerState(window=unpack_kv(st.pool[base : base + window]))
+        rows, entries = st.window(c, b, position)
+        state = LayerState(window=torch.zeros(c.window_size, c.head_dim, dtype=torch.bfloat16, device=st.pool.device))
+        state.window[rows.to(st.pool.device)] = unpack_kv(st.pool[entries.long()])
         if ratio:
-            state.compressed = unpack_kv(st.pool[base + window : base + window + n - 1])
+            state.compressed = unpack_kv(st.pool[base + ring_size(c) : base + ring_size(c) + n - 1])
             state.compressor = CompressorState(st.comp_kv[b].clone(), st.comp_score[b].clone())
         if ratio == 4:
             state.index_keys = unpack_index_keys(st.keys[b * n : b * n + n - 1]).to(torch.bfloat16)
@@ -220,7 +222,7 @@ def sublayer_errors(blocks: list, c: ModelConfig, layers: list[int], caches: lis
     from dsuf.model import v4
 
     def attention(block, layer: int, st: LayerCache, y: torch.Tensor) -> torch.Tensor:
-        states = reference_states(c, c.compress_ratios[layer], st)
+        states = reference_states(c, c.compress_ratios[layer], st, position)
         return block.attn(y, [v4.Segment(slice(b, b + 1), position, s) for b, s in enumerate(states)], NUM)
 
     out = []
@@ -313,6 +315,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="also print the CUDA kernels of one eager step of the first configuration (torch.profiler)")
     p.add_argument("--config", help="a config.json to take the shapes from (default: V4-Flash's, built in)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill", type=int, default=0, metavar="TOKENS", help="with --model: also time one prompt of this many tokens per context")
     p.add_argument("--tp", type=int, default=1, help="with --model: tensor-parallel over this many GPUs (one process each)")
     p.add_argument("--collective", choices=("ipc", "nccl"), default="ipc", help="with --tp: the all-reduce and all-gather (default ipc)")
 
@@ -336,7 +339,7 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
     small = dataclasses.replace(c, n_layers=n, compress_ratios=c.compress_ratios[:n], n_mtp_layers=0)
     say(f"whole model: layers 0..{n - 1} ({', '.join(layer_kind(r) for r in small.compress_ratios)}) + embedding + head"
         + (f", tensor-parallel over {world} GPUs ({args.collective} collectives)" if tp else ""), flush=True)
-    rows_out = []
+    rows_out, prefills = [], []
     for ctx in args.context:
         # One model per context, as a server of that context would hold it; it takes the weights
         # over layer by layer, so they are never held twice.
@@ -356,6 +359,10 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
             rows_out.append((batch, ctx, step_us, nbytes, floor, coll))
             say(f"  batch {batch}, context {ctx}: {step_us:.1f} µs a step = {batch * 1e6 / step_us:.0f} tokens/s "
                 f"({nbytes / 1e6:.0f} MB a GPU, floor {floor:.1f} µs, {step_us / floor:.1f}x; collectives {coll:.0f} µs)", flush=True)
+        if args.prefill and args.prefill <= ctx:
+            seconds = prefill_seconds(model, args.prefill, c.vocab_size)
+            prefills.append((args.prefill, ctx, seconds))
+            say(f"  prefill of a {args.prefill}-token prompt (context {ctx}): {seconds:.2f} s = {args.prefill / seconds:.0f} tokens/s", flush=True)
         del model
         torch.cuda.empty_cache()
     say(f"\n### dsuf bench --model{f' --tp {world}' if tp else ''}: embedding + {n} V4-Flash layers + head, one CUDA graph per step "
@@ -366,7 +373,29 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
     say("|---|---|---|---|---|---|---|---|")
     for batch, ctx, us, nbytes, floor, coll in rows_out:
         say(f"| {batch} | {ctx} | {us:.1f} | {batch * 1e6 / us:.0f} | {nbytes / 1e6:.0f} | {floor:.1f} | {us / floor:.1f} | {coll:.0f} |")
+    if prefills:
+        say("\n| prompt tokens | context | prefill s | tokens/s |\n|---|---|---|---|")
+        for n_tokens, ctx, seconds in prefills:
+            say(f"| {n_tokens} | {ctx} | {seconds:.2f} | {n_tokens / seconds:.0f} |")
     return 0
+
+
+def prefill_seconds(model, n_tokens: int, vocab: int) -> float:
+    """Wall time of one prompt of n_tokens through forward_batch (the server's path: chunks of
+    PREFILL_CHUNK rows a step, CUDA graphs), after a one-chunk warm-up that captures its graph."""
+    import time
+
+    warm = model.new_state()
+    model.forward_batch([(torch.randint(0, vocab, (PREFILL_CHUNK,)), warm)])
+    model.free(warm)
+    seq = model.new_state()
+    prompt = torch.randint(0, vocab, (n_tokens,))
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    model.forward_batch([(prompt, seq)])
+    torch.cuda.synchronize()
+    model.free(seq)
+    return time.perf_counter() - began
 
 
 def collective_us(c: ModelConfig, tp: TensorParallel, batch: int, reps: int) -> float:
@@ -382,9 +411,10 @@ def collective_us(c: ModelConfig, tp: TensorParallel, batch: int, reps: int) -> 
 def _bench_rank(rank: int, c: ModelConfig, args: argparse.Namespace, init: str) -> None:
     """One rank of `dsuf bench --model --tp N` (a process of its own, on GPU `rank`)."""
     from . import tp as tensor_parallel
+    from .model import step_rows
 
     device = torch.device("cuda", rank)
-    group = tensor_parallel.start(rank, args.tp, init, device, args.collective, tensor_parallel.slot_bytes(c, args.tp, max(args.batch)))
+    group = tensor_parallel.start(rank, args.tp, init, device, args.collective, tensor_parallel.slot_bytes(c, args.tp, step_rows(max(args.batch))))
     bw = copy_bandwidth(device)
     if rank == 0:
         print(f"device-to-device copy: {bw / 1e9:.0f} GB/s (read + write), GPU 0", flush=True)
@@ -482,7 +512,7 @@ def bench_one(c: ModelConfig, layers: list[int], fast: list[DecodeLayer], blocks
     if blocks is not None:
 
         def fresh_states() -> list[list]:
-            return [reference_states(c, c.compress_ratios[i], st) for i, st in zip(layers, caches)]
+            return [reference_states(c, c.compress_ratios[i], st, position) for i, st in zip(layers, caches)]
 
         errors = sublayer_errors(blocks, c, layers, caches, buf, position)
         reference_step(blocks, fresh_states(), position, x0, ids)  # warm-up: dequantises the experts it routes to

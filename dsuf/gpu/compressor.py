@@ -43,6 +43,7 @@ class CompressParams(ctypes.Structure):
         ("score_stride", ctypes.c_int64),
         ("eps", ctypes.c_double),
         ("state_row", ctypes.c_void_p),
+        ("runs", ctypes.c_void_p),
     ]
 
 
@@ -70,6 +71,7 @@ def compress_decode(
     slots: torch.Tensor,
     latent: torch.Tensor | None = None,
     state_rows: torch.Tensor | None = None,
+    runs: torch.Tensor | None = None,
 ) -> None:
     """One decode token per row b at position positions[b] (int32 [B]; < 0: a padding row, left
     untouched) fed to a compressor of ratio = ape.shape[0] and width = norm.shape[0]:
@@ -86,7 +88,10 @@ def compress_decode(
     - latent: optional bf16 [B, width], row b set to the completed entry after RoPE (before the
       Hadamard rotation and the cache format) where row b completes one;
     - state_rows: optional int64 [B]: row b's state is state_kv[state_rows[b]] (states of many
-      sequences, indexed by their slots; without it, state row b).
+      sequences, indexed by their slots; without it, state row b);
+    - runs: optional int32 [R + 1], R <= B: the rows in runs, rows runs[r] .. runs[r + 1] - 1
+      applied one after another (several tokens of one sequence, in position order, share its
+      state); without it every row is its own run. Empty runs (equal bounds) are allowed.
 
     One launch and no state of its own: safe in CUDA graphs and on any stream.
     """
@@ -117,6 +122,8 @@ def compress_decode(
         raise ValueError(f"compress_decode: slots must be {slot_dtype} [{batch}]")
     if latent is not None and (latent.dtype != torch.bfloat16 or tuple(latent.shape) != (batch, width) or not latent.is_contiguous()):
         raise ValueError(f"compress_decode: latent must be contiguous bf16 [{batch}, {width}]")
+    if runs is not None and (runs.dtype != torch.int32 or runs.dim() != 1 or not 2 <= runs.shape[0] <= batch + 1):
+        raise ValueError(f"compress_decode: runs must be int32 [R + 1], 1 <= R <= {batch}")
     if not batch:
         return
     ape, norm, freqs = ape.contiguous(), norm.contiguous(), freqs.contiguous()
@@ -137,7 +144,9 @@ def compress_decode(
         score.stride(0),
         eps,
         state_rows.data_ptr() if state_rows is not None else 0,
+        runs.data_ptr() if runs is not None else 0,
     )
     threads = 128 if ratio == 4 else 256
-    # One cluster of width / 64 CTAs per row (the cluster size is compiled into the kernel).
-    get_kernel("compressor", name, kv.device)((width // CHANNELS_PER_CTA, batch, 1), threads, [params])
+    # One cluster of width / 64 CTAs per run (the cluster size is compiled into the kernel).
+    clusters = runs.shape[0] - 1 if runs is not None else batch
+    get_kernel("compressor", name, kv.device)((width // CHANNELS_PER_CTA, clusters, 1), threads, [params])

@@ -4,10 +4,15 @@ Everything that depends on the step's positions is read from device tensors (`St
 whole decode step can be captured once as a CUDA graph and replayed for any mix of positions.
 
 Caches (`LayerCache`) hold `slots` sequences side by side. Sequence slot s owns pool entries
-[s·S, s·S + S), S = W + n_max: its window ring (entry pos % W) then its compressed entries (entry
-j covers positions ratio·j … ratio·j + ratio − 1); index keys: rows [s·n_max, s·n_max + n_max);
-compressor states: row s. Nothing needs clearing between sequences: a step reads only what its
-positions make valid (window slots up to pos, entries and keys below (pos + 1) // ratio).
+[s·S, s·S + S), S = R + n_max: its ring of R = W + PREFILL_CHUNK entries (position p at entry
+p % R) then its compressed entries (entry j covers positions ratio·j … ratio·j + ratio − 1); index
+keys: rows [s·n_max, s·n_max + n_max); compressor states: row s. Nothing needs clearing between
+sequences: a step reads only what its positions make valid (the last W positions up to pos,
+entries and keys below (pos + 1) // ratio).
+
+A step may hold up to PREFILL_CHUNK rows of one sequence at consecutive positions (a prompt's
+chunk): every row's KV is written before any row attends, and the ring is longer than the window
+by a chunk, so a later row of the chunk never overwrites a position an earlier row still sees.
 """
 
 from __future__ import annotations
@@ -56,6 +61,13 @@ def compressor_state(slots: int, ratio: int, width: int, device: torch.device) -
     return torch.zeros(shape, device=device), torch.full(shape, float("-inf"), device=device)
 
 
+PREFILL_CHUNK = 128  # rows of one sequence a step may hold
+
+
+def ring_size(c: ModelConfig) -> int:
+    return c.window_size + PREFILL_CHUNK
+
+
 @dataclass
 class LayerCache:
     """One layer's decode state for `slots` sequences (see the module docstring)."""
@@ -73,7 +85,7 @@ class LayerCache:
     @staticmethod
     def new(c: ModelConfig, ratio: int, slots: int, max_context: int, device: torch.device) -> LayerCache:
         n_max = max_context // ratio if ratio else 0
-        cache = LayerCache(ratio, slots, n_max, new_pool(slots * (c.window_size + n_max), device))
+        cache = LayerCache(ratio, slots, n_max, new_pool(slots * (ring_size(c) + n_max), device))
         if ratio:
             cache.comp_kv, cache.comp_score = compressor_state(slots, ratio, c.head_dim, device)
         if ratio == 4:
@@ -83,8 +95,14 @@ class LayerCache:
 
     @property
     def stride(self) -> int:
-        """Pool entries per slot: the window ring, then the compressed entries."""
+        """Pool entries per slot: the ring, then the compressed entries."""
         return self.pool.shape[0] // self.slots
+
+    def window(self, c: ModelConfig, slot: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last W positions before `pos` of the sequence in `slot`: their rows in the
+        reference's window ring (position % W) and their pool entries (int32, on the pool's device)."""
+        q = torch.arange(max(0, pos - c.window_size), pos)
+        return q % c.window_size, (slot * self.stride + q % ring_size(c)).to(self.pool.device, torch.int32)
 
     def reset(self, slot: int) -> None:
         """Empty the compressor states of a slot for a new sequence."""
@@ -113,17 +131,16 @@ class StepIndex:
 
 def step_index(c: ModelConfig, ratio: int, n_max: int, rope: Rope, slots: torch.Tensor, pos: torch.Tensor) -> StepIndex:
     """slots, pos: int64 [B] on the device (pos = the position of the token each row feeds)."""
-    w = c.window_size
-    stride = w + n_max
-    base = slots * stride
-    j = torch.arange(w, device=pos.device)
-    window = torch.where(j[None, :] <= pos[:, None], base[:, None] + j[None, :], -1)
+    w, ring = c.window_size, ring_size(c)
+    base = slots * (ring + n_max)
+    seen = pos[:, None] - (w - 1) + torch.arange(w, device=pos.device)[None, :]  # the window's positions
+    window = torch.where(seen >= 0, base[:, None] + seen % ring, -1)
     cos, sin = rope.cos_sin(pos)
     if not ratio:
-        return StepIndex(pos.int(), cos, sin, (base + pos % w).int(), window.int().contiguous())
+        return StepIndex(pos.int(), cos, sin, (base + pos % ring).int(), window.int().contiguous())
     visible = (pos + 1) // ratio  # entries visible once this token is in
-    comp_base = base + w
-    idx = StepIndex(pos.int(), cos, sin, (base + pos % w).int(), window.int(), (comp_base + pos // ratio).int(), comp_base.int())
+    comp_base = base + ring
+    idx = StepIndex(pos.int(), cos, sin, (base + pos % ring).int(), window.int(), (comp_base + pos // ratio).int(), comp_base.int())
     if ratio == 4:
         picks = torch.full((pos.shape[0], c.index_topk), -1, dtype=torch.int64, device=pos.device)  # top-k fills them
         idx.attn_idx = torch.cat((window, picks), dim=1).int()
@@ -220,7 +237,8 @@ class DecodeLayer:
 
     def stages(self, cache: LayerCache, ix: StepIndex) -> list[Stage]:
         """The decode step of this layer as stages over a buffer dict: reads f"x{layer}" (bf16
-        [B, 4, D]), "ids" (int64 [B]), "slots" and "pos" (int64 [B]); writes f"x{layer + 1}".
+        [B, 4, D]), "ids" (int64 [B]), "slots" and "pos" (int64 [B]) and, where rows of one
+        sequence share the step, "runs" (int32, compress_decode's); writes f"x{layer + 1}".
         In-place ops touch only tensors made in the same stage (and the caches), so any stage can
         be replayed alone."""
         c, L, ratio = self.c, self.layer, self.ratio
@@ -248,10 +266,10 @@ class DecodeLayer:
         def compress(b: dict) -> None:
             parts = self._project(b[f"{L}.y"])
             compress_decode(parts[0], parts[1], ix.positions, cache.comp_kv, cache.comp_score, self.ape, self.comp_norm, self.rope.freqs,
-                            c.norm_eps, cache.pool, ix.comp_slot, state_rows=b["slots"])
+                            c.norm_eps, cache.pool, ix.comp_slot, state_rows=b["slots"], runs=b.get("runs"))
             if ratio == 4:
                 compress_decode(parts[2], parts[3], ix.positions, cache.idx_kv, cache.idx_score, self.idx_ape, self.idx_norm, self.rope.freqs,
-                                c.norm_eps, cache.keys, ix.key_row, state_rows=b["slots"])
+                                c.norm_eps, cache.keys, ix.key_row, state_rows=b["slots"], runs=b.get("runs"))
                 b[f"{L}.weights"] = parts[4].to(torch.bfloat16).float() * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
 
         def index_query(b: dict) -> None:

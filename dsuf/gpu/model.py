@@ -5,11 +5,12 @@ It answers the reference model's serving interface (`new_state`, `forward_batch`
 care which path runs. Sequences live in slots of preallocated caches (`layer.LayerCache`) of
 `max_batch` sequences of up to `max_context` tokens; slot 0 is scratch for padding rows.
 
-A step feeds one token to each of B rows, every row at its own position. The step (index
-computation, embedding, the layers, the head) is captured as one CUDA graph per batch-size
-bucket on first use and replayed after: the host only copies the rows' token ids, slots and
-positions in and the logits it samples from out. Prompts run through the same step one token at a
-time (prefill kernels come later), so prefill, chunked prefill and decode are one computation.
+A step feeds one token to each of B rows, every row at its own position; the rows of one
+sequence (up to PREFILL_CHUNK of a prompt, at consecutive positions) sit side by side in position
+order. The step (index computation, embedding, the layers, the head) is captured as one CUDA
+graph per row-count bucket on first use and replayed after: the host only copies the rows' token
+ids, slots, positions and runs in and the logits it samples from out. Decode steps and prompt
+chunks are one computation (dedicated prefill kernels come later).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dsuf.model.state import CompressorState, SequenceState, StateError
 
 from .attention import pack_kv, unpack_kv
 from .indexer import pack_index_keys, unpack_index_keys
-from .layer import DecodeLayer, LayerCache, StepIndex, has_mm_out_dtype, step_index
+from .layer import PREFILL_CHUNK, DecodeLayer, LayerCache, StepIndex, has_mm_out_dtype, ring_size, step_index
 from .norm import rms_norm
 from .tp import TensorParallel, check_tp
 
@@ -44,7 +45,12 @@ def taking_from(tensors: dict[str, torch.Tensor]) -> TensorSource:
 
     return take
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def step_rows(max_batch: int) -> int:
+    """Rows a step holds at most: a decode token of every sequence, or a prompt chunk."""
+    return max(max_batch, PREFILL_CHUNK)
 
 
 # What the kernels are written for: V4-Flash's layer shapes (any number of layers, experts, vocabulary).
@@ -95,13 +101,15 @@ class GpuModel:
         # Layer by layer, dropping each layer's checkpoint tensors once converted, so the weights
         # are never all held twice (the experts' kernel layout is a copy).
         self.layers = [DecodeLayer(c, i, take(i), device, tp) for i in range(c.n_layers)]
+        rows = step_rows(max_batch)
         for layer in self.layers:
-            layer.moe.reserve(max_batch * c.n_activated_experts)
+            layer.moe.reserve(rows * c.n_activated_experts)
         slots = max_batch + 1
         self.caches = [LayerCache.new(c, layer.ratio, slots, max_context, device) for layer in self.layers]
         self.free_slots = list(range(slots - 1, 0, -1))
-        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
-        self.dev_in = torch.zeros((3, max_batch), dtype=torch.int64, device=device)  # ids, slots, positions
+        self.buckets = [b for b in BUCKETS if b < rows] + [rows]
+        self.dev_in = torch.zeros((3, rows), dtype=torch.int64, device=device)  # ids, slots, positions
+        self.dev_runs = torch.zeros(rows + 1, dtype=torch.int32, device=device)  # rows of run r: runs[r] .. runs[r + 1] - 1
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
         # Compile every kernel (NVRTC, cached on disk) and capture the batch-1 step now, so that the
@@ -117,7 +125,7 @@ class GpuModel:
 
     def new_state(self, num: Numerics | None = None) -> GpuSequence:
         if not self.free_slots:
-            raise RuntimeError(f"all {self.buckets[-1]} sequence slots of this worker are taken")
+            raise RuntimeError(f"all {len(self.caches[0].pool) // self.caches[0].stride - 1} sequence slots of this worker are taken")
         seq = GpuSequence(self.free_slots.pop())
         for cache in self.caches:
             cache.reset(seq.slot)
@@ -143,7 +151,7 @@ class GpuModel:
         ids, slots, pos = self.dev_in[:, :rows]
         index = self._indices(slots, pos)
         x = self.embed[ids].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
-        buf = {"x0": x, "ids": ids, "slots": slots, "pos": pos}
+        buf = {"x0": x, "ids": ids, "slots": slots, "pos": pos, "runs": self.dev_runs[: rows + 1]}
         for layer, cache in zip(self.layers, self.caches):
             for stage in layer.stages(cache, index[layer.ratio]):
                 stage.run(buf)
@@ -163,14 +171,20 @@ class GpuModel:
         return self.tp.collective.all_gather(logits) if self.tp else logits  # a rank holds a slice of the vocabulary
 
     def step(self, rows: list[tuple[int, int, int]]) -> torch.Tensor:
-        """Feed one token to each (slot, position, token id); logits float32 [len(rows), vocab] on the device."""
+        """Feed one token to each (slot, position, token id); logits float32 [len(rows), vocab] on
+        the device. Rows of one slot must be adjacent, at consecutive positions, at most
+        PREFILL_CHUNK of them."""
         n = len(rows)
         bucket = next(b for b in self.buckets if b >= n)
         if self.graphs and bucket not in self._graphs:
             self._capture(bucket)
         inputs = torch.zeros((3, self.buckets[-1]), dtype=torch.int64)  # padding rows: slot 0 (scratch), position 0, token 0
         inputs[:, :n] = torch.tensor([[t for _, _, t in rows], [s for s, _, _ in rows], [p for _, p, _ in rows]]).view(3, n)
+        # A run per slot (its rows join its compressor states in order); every padding row its own.
+        starts = [i for i in range(n) if i == 0 or rows[i][0] != rows[i - 1][0]] + list(range(n, bucket + 1))
+        runs = torch.tensor(starts + [bucket] * (self.buckets[-1] + 1 - len(starts)), dtype=torch.int32)  # then empty runs
         self.dev_in.copy_(inputs)  # a blocking copy: the previous step's replay has read its inputs by now
+        self.dev_runs.copy_(runs)
         if not self.graphs:
             return self._step(bucket)[:n]
         graph, logits = self._graphs[bucket]
@@ -181,6 +195,7 @@ class GpuModel:
         """Capture the step of `bucket` rows, after one eager run (it loads every kernel and settles
         torch's lazy state) on padding rows only, so that no sequence's caches move."""
         self.dev_in.zero_()
+        self.dev_runs.copy_(torch.arange(self.dev_runs.shape[0], dtype=torch.int32))
         self._step(bucket)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
@@ -196,14 +211,23 @@ class GpuModel:
             if seq.pos + len(tokens) > self.max_context:
                 raise ValueError(f"a sequence of {seq.pos + len(tokens)} tokens exceeds this worker's context of {self.max_context}")
         out: list[torch.Tensor | None] = [None] * len(batch)
-        longest = max((len(tokens) for tokens, _ in batch), default=0)
-        for t in range(longest):
-            live = [i for i, (tokens, _) in enumerate(batch) if t < len(tokens)]
-            logits = self.step([(batch[i][1].slot, batch[i][1].pos, int(batch[i][0][t])) for i in live])
-            for row, i in enumerate(live):
-                batch[i][1].pos += 1
-                if t == len(batch[i][0]) - 1:
-                    out[i] = logits[row : row + 1].clone()  # the graph's output buffer is reused
+        fed = [0] * len(batch)
+        capacity = self.buckets[-1]
+        while any(f < len(tokens) for f, (tokens, _) in zip(fed, batch)):
+            # A step: every sequence's next tokens, up to a chunk each, while the step has room.
+            rows, last = [], []
+            for i, (tokens, seq) in enumerate(batch):
+                take = min(len(tokens) - fed[i], PREFILL_CHUNK, capacity - len(rows))
+                if take <= 0:
+                    continue
+                rows += [(seq.slot, seq.pos + j, int(tokens[fed[i] + j])) for j in range(take)]
+                fed[i] += take
+                seq.pos += take
+                if fed[i] == len(tokens):
+                    last.append((i, len(rows) - 1))
+            logits = self.step(rows)
+            for i, row in last:
+                out[i] = logits[row : row + 1].clone()  # the graph's output buffer is reused
         return out  # type: ignore[return-value]
 
     # ---- conversation caches: the reference's SequenceState on the host --------------------------
@@ -215,11 +239,12 @@ class GpuModel:
         host = SequenceState.new(c, torch.bfloat16)
         host.pos = seq.pos
         for layer, cache, st in zip(self.layers, self.caches, host.layers):
-            base, w = seq.slot * cache.stride, c.window_size
-            st.window = unpack_kv(cache.pool[base : base + w]).cpu()
-            st.window[seq.pos :] = 0  # ring slots not written yet: canonical zeros, as the reference keeps them
+            base = seq.slot * cache.stride + ring_size(c)  # the compressed entries
+            rows, entries = cache.window(c, seq.slot, seq.pos)
+            st.window = torch.zeros(c.window_size, c.head_dim, dtype=torch.bfloat16)  # rows not written yet: zeros, as the reference keeps them
+            st.window[rows] = unpack_kv(cache.pool[entries.long()]).cpu()
             if layer.ratio:
-                st.compressed = unpack_kv(cache.pool[base + w : base + w + seq.pos // layer.ratio]).cpu()
+                st.compressed = unpack_kv(cache.pool[base : base + seq.pos // layer.ratio]).cpu()
                 st.compressor = CompressorState(cache.comp_kv[seq.slot].cpu(), cache.comp_score[seq.slot].cpu())
             if layer.ratio == 4:
                 first = seq.slot * cache.n_max
@@ -236,12 +261,14 @@ class GpuModel:
         seq = self.new_state()
         try:
             for layer, cache, st in zip(self.layers, self.caches, host.layers):
-                base, w = seq.slot * cache.stride, c.window_size
-                pack_kv(st.window.to(self.device, torch.bfloat16), cache.pool, self._entries(base, w))
+                base = seq.slot * cache.stride + ring_size(c)
+                rows, entries = cache.window(c, seq.slot, host.pos)
+                if len(rows):
+                    pack_kv(st.window[rows].to(self.device, torch.bfloat16), cache.pool, entries)
                 if layer.ratio:
                     n = st.compressed.shape[0]
                     if n:
-                        pack_kv(st.compressed.to(self.device, torch.bfloat16), cache.pool, self._entries(base + w, n))
+                        pack_kv(st.compressed.to(self.device, torch.bfloat16), cache.pool, self._entries(base, n))
                     cache.comp_kv[seq.slot], cache.comp_score[seq.slot] = st.compressor.kv, st.compressor.score
                 if layer.ratio == 4:
                     n = st.index_keys.shape[0]

@@ -86,10 +86,10 @@ def check_tp(c: ModelConfig, world: int) -> None:
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def slot_bytes(c: ModelConfig, world: int, max_batch: int) -> int:
-    """The largest message a rank gives a collective of the step: max_batch rows of hidden state
-    (bf16) or of its share of the logits (float32)."""
-    return max_batch * max(2 * c.dim, 4 * c.vocab_size // world)
+def slot_bytes(c: ModelConfig, world: int, rows: int) -> int:
+    """The largest message a rank gives a collective of a step of `rows` rows (model.step_rows):
+    the rows' hidden state (bf16) or its share of their logits (float32)."""
+    return rows * max(2 * c.dim, 4 * c.vocab_size // world)
 
 
 @dataclass

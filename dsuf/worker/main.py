@@ -135,7 +135,7 @@ def load_worker_model(args: argparse.Namespace):
     from pathlib import Path
 
     from dsuf.gpu import tp
-    from dsuf.gpu.model import GpuModel
+    from dsuf.gpu.model import GpuModel, step_rows
     from dsuf.model.config import load_any_config
 
     device = torch.device("cuda", args.gpu)
@@ -151,7 +151,7 @@ def load_worker_model(args: argparse.Namespace):
 
         config = load_any_config(args.ckpt)
         tensors = load_tensors(args.ckpt, config, rank, world, rule=tp.shard_rule)
-    group = tp.start(rank, world, args.tp_init, device, slot_bytes=tp.slot_bytes(config, world, args.max_batch)) if world > 1 else None
+    group = tp.start(rank, world, args.tp_init, device, slot_bytes=tp.slot_bytes(config, world, step_rows(args.max_batch))) if world > 1 else None
     return GpuModel(config, tensors, device, max_batch=args.max_batch, max_context=args.max_context, tp=group)
 
 

@@ -49,3 +49,19 @@ def random_activations(m: int, k: int, device: torch.device) -> torch.Tensor:
     so the per-128 activation scales differ between blocks)."""
     channel = torch.exp(torch.randn(k, device=device) * 0.7)
     return (torch.randn(m, k, device=device) * channel).to(torch.bfloat16)
+
+
+def state_tensors(state) -> list[torch.Tensor]:
+    """Every tensor of a SequenceState (dsuf.model.state), layer by layer, in a fixed order; a
+    compressor's scores as their finite values and where they are -inf (empty state rows), so
+    that relative errors stay defined."""
+    out = []
+    for st in state.layers:
+        out += [st.window, st.compressed] if st.compressed is not None else [st.window]
+        for comp in (st.compressor, st.indexer):
+            if comp is not None:
+                empty = comp.score.isneginf()
+                out += [comp.kv, comp.score.masked_fill(empty, 0), empty.float()]
+        if st.index_keys is not None:
+            out.append(st.index_keys)
+    return out

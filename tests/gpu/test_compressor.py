@@ -291,3 +291,33 @@ def test_state_rows_address_the_states_of_many_sequences(cuda, kind):
     others[rows] = False
     assert torch.equal(many_kv[others], before_kv[others]) and torch.equal(many_score[others], before_score[others])
     assert torch.equal(case.pool, expected)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_runs_apply_the_tokens_of_one_sequence_in_order(cuda, kind):
+    """A prefill chunk in one launch: rows of one sequence at consecutive positions share its state
+    (state_rows), and runs make the kernel apply them one after another. The state and every entry
+    written equal the same tokens fed one launch at a time."""
+    case = Case(kind, 1, cuda)
+    lengths, starts = [2 * case.ratio + 3, 5], [case.ratio - 2, 0]  # runs crossing group boundaries, and a short one
+    rows = sum(lengths)
+    state_rows = torch.tensor([1] * lengths[0] + [3] * lengths[1], device=cuda)
+    pos = torch.tensor([p for start, n in zip(starts, lengths) for p in range(start, start + n)], dtype=torch.int32, device=cuda)
+    runs = torch.tensor([0, lengths[0], rows], dtype=torch.int32, device=cuda)
+    kv = torch.randn(rows, case.channels, device=cuda) * case.channel_scale.to(cuda)
+    score = torch.randn(rows, case.channels, device=cuda) * 2
+    state_kv, state_score = torch.zeros(4, case.rows, case.channels, device=cuda), torch.full((4, case.rows, case.channels), float("-inf"), device=cuda)
+    for r, (start, _) in enumerate(zip(starts, lengths)):  # the states the tokens before each run left
+        s_kv, s_score = case.state([start])
+        state_kv[1 + 2 * r], state_score[1 + 2 * r] = s_kv[0], s_score[0]
+    entry = case.pool.shape[1]
+    slots = torch.arange(rows, device=cuda).to(case.slots.dtype)
+    one_kv, one_score, one_pool = state_kv.clone(), state_score.clone(), torch.zeros((rows, entry), dtype=torch.uint8, device=cuda)
+    for b in range(rows):
+        compress_decode(kv[b : b + 1], score[b : b + 1], pos[b : b + 1], one_kv, one_score, case.ape_d, case.norm_d, case.freqs, EPS, one_pool,
+                        slots[b : b + 1], state_rows=state_rows[b : b + 1])
+    pool = torch.zeros_like(one_pool)
+    compress_decode(kv, score, pos, state_kv, state_score, case.ape_d, case.norm_d, case.freqs, EPS, pool, slots, state_rows=state_rows, runs=runs)
+    assert torch.equal(state_kv, one_kv) and torch.equal(state_score, one_score)
+    assert torch.equal(pool, one_pool)
+    assert int((pool != 0).any(dim=1).sum()) == sum((start + n) // case.ratio - start // case.ratio for start, n in zip(starts, lengths))

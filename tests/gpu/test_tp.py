@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gpu_checks import state_tensors
 from test_model import gpu_logits, rel, small_config
 
 WORLD = 2
@@ -101,30 +102,18 @@ SEED, PROMPT, DECODE = 7, 300, 6
 
 
 def _model_rank(rank: int, init: str, out: Path, tokens: torch.Tensor) -> None:
-    from dsuf.gpu.model import GpuModel
+    from dsuf.gpu.model import GpuModel, step_rows
     from dsuf.gpu.tp import slot_bytes, start
     from dsuf.gpu.weights import random_source
 
     device = torch.device("cuda", rank)
     c = small_config()
-    tp = start(rank, WORLD, init, device, "ipc", slot_bytes=slot_bytes(c, WORLD, 4))
+    tp = start(rank, WORLD, init, device, "ipc", slot_bytes=slot_bytes(c, WORLD, step_rows(4)))
     model = GpuModel(c, random_source(c, device, SEED, rank, WORLD), device, max_batch=4, max_context=4096, tp=tp)
     seq = model.new_state()
     logits = [g.cpu() for g in gpu_logits(model, tokens, PROMPT, seq)]
     torch.save({"logits": logits, "state": model.export_state(seq)}, out / f"rank{rank}.pt")
     dist.barrier()
-
-
-def state_tensors(state) -> list[torch.Tensor]:
-    out = []
-    for st in state.layers:
-        out += [st.window, st.compressed] if st.compressed is not None else [st.window]
-        for comp in (st.compressor, st.indexer):
-            if comp is not None:
-                out += [comp.kv, comp.score]
-        if st.index_keys is not None:
-            out.append(st.index_keys)
-    return out
 
 
 def test_a_model_split_over_two_gpus_computes_what_one_gpu_computes(tmp_path) -> None:
