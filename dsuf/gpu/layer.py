@@ -216,6 +216,7 @@ class DecodeLayer:
         self.router = Router(t[f"{f}.gate.weight"], t.get(f"{f}.gate.bias"), t.get(f"{f}.gate.tid2eid"), c.n_activated_experts, c.route_scale)
         w1, s1, w3, s3, w2, s2 = (stacked_experts(t, f, w, k) for w in ("w1", "w3", "w2") for k in ("weight", "scale"))
         shared = [t[f"{f}.shared_experts.{w}.{k}"] for w in ("w1", "w3", "w2") for k in ("weight", "scale")]
+        self.side: torch.cuda.Stream | None = None  # the compressors' stream
         self.moe = MoeDecode(Fp4Experts.from_checkpoint(w1, s1, w3, s3, w2, s2), Fp8Expert(*shared), c.swiglu_limit)
 
     def torch_parts(self) -> list[str]:
@@ -301,12 +302,24 @@ class DecodeLayer:
             b[f"{L}.moe"] = self._sum(self.moe(b[f"{L}.y2"], *b[f"{L}.route"]))
             b[f"x{L + 1}"] = hc_expand(b[f"{L}.moe"], b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
 
-        out = [
-            Stage(f"L{L} mHC coefficients + collapse + norm", "kernels", mhc_attn),
-            Stage(f"L{L} q / kv projections, norms, RoPE, window write", "kernels", qkv),
-        ]
+        def qkv_and_compress(b: dict) -> None:
+            # Both read only y: the compressors run on a side stream alongside the projections
+            # (each is a chain of small, latency-bound launches that leaves the GPU mostly idle).
+            main = torch.cuda.current_stream(b[f"{L}.y"].device)
+            if self.side is None:
+                self.side = torch.cuda.Stream(b[f"{L}.y"].device)
+            self.side.wait_stream(main)
+            with torch.cuda.stream(self.side):
+                compress(b)
+            qkv(b)
+            main.wait_stream(self.side)
+
+        out = [Stage(f"L{L} mHC coefficients + collapse + norm", "kernels", mhc_attn)]
         if ratio:
-            out.append(Stage(f"L{L} {kind} compressor{'s' if ratio == 4 else ''} (projections; pooling, norm, RoPE, entry write)", "torch + kernels", compress))
+            out.append(Stage(f"L{L} q / kv projections, norms, RoPE, window write; alongside, the {kind} compressor{'s' if ratio == 4 else ''} "
+                             "(projections; pooling, norm, RoPE, entry write)", "kernels + torch", qkv_and_compress))
+        else:
+            out.append(Stage(f"L{L} q / kv projections, norms, RoPE, window write", "kernels", qkv))
         if ratio == 4:
             out += [
                 Stage(f"L{L} indexer query (wq_b, RoPE, FP4; Hadamard in torch)", "kernels + torch", index_query),
