@@ -1,7 +1,7 @@
 // Manifold-constrained hyper-connections (mHC) at decode, as layers.HyperConnection and
 // layers.hc_expand compute them (n = 4 streams of D):
 //   hc_mixes:        mix[t, r] = f32(flat_t . fn_r) * f32(1 / sqrt(mean(flat_t^2) + eps)), flat_t
-//                    the n*D stream values, float64 sums; grid (rows of fn, T), 256 threads.
+//                    the n*D stream values, float64 sums; grid (rows of fn, T), 512 threads.
 //   hc_coefficients: pre = f32(sigmoid(mix * scale0 + base)) + hc_eps; post = 2 f32(sigmoid(..));
 //                    comb = Sinkhorn of softmax(logits) in float64 (row/column normalisation,
 //                    `iters` rounds in all); grid (T), one warp (lane 4j + k holds comb[j, k]).
@@ -13,24 +13,37 @@
 
 #define HC_N 4
 
-extern "C" __global__ void __launch_bounds__(256) hc_mixes(
+#define MIX_THREADS 512
+#define MIX_UNROLL 4  // chunks of 8 a thread has in flight
+
+extern "C" __global__ void __launch_bounds__(MIX_THREADS) hc_mixes(
     const u16* __restrict__ x, const float* __restrict__ fn, float* __restrict__ mix, int D, double eps) {
-  __shared__ double part[2][8];
+  __shared__ double part[2][MIX_THREADS / 32];
   const int r = blockIdx.x, tok = blockIdx.y, rows = gridDim.x, len = HC_N * D;
   const u16* xt = x + (i64)tok * len;
   const float* f = fn + (i64)r * len;
   double dot = 0.0, sq = 0.0;
-  for (int i = 8 * threadIdx.x; i < len; i += 8 * 256) {
-    const uint4 xv = *reinterpret_cast<const uint4*>(xt + i);
-    const float4 f0 = *reinterpret_cast<const float4*>(f + i);
-    const float4 f1 = *reinterpret_cast<const float4*>(f + i + 4);
-    const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w};
-    const float fv[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
+  for (int i0 = 8 * threadIdx.x; i0 < len; i0 += 8 * MIX_THREADS * MIX_UNROLL) {
+    uint4 xv[MIX_UNROLL];
+    float4 f0[MIX_UNROLL], f1[MIX_UNROLL];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const double v = bf16_to_f32(k & 1 ? xw[k >> 1] >> 16 : xw[k >> 1] & 0xffff);
-      dot += v * (double)fv[k];
-      sq += v * v;
+    for (int u = 0; u < MIX_UNROLL; ++u) {  // every load of the round issued before any math
+      const int i = i0 + 8 * MIX_THREADS * u;
+      const bool in = i < len;  // zeros past the end add nothing
+      xv[u] = in ? *reinterpret_cast<const uint4*>(xt + i) : make_uint4(0, 0, 0, 0);
+      f0[u] = in ? *reinterpret_cast<const float4*>(f + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      f1[u] = in ? *reinterpret_cast<const float4*>(f + i + 4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < MIX_UNROLL; ++u) {
+      const u32 xw[4] = {xv[u].x, xv[u].y, xv[u].z, xv[u].w};
+      const float fv[8] = {f0[u].x, f0[u].y, f0[u].z, f0[u].w, f1[u].x, f1[u].y, f1[u].z, f1[u].w};
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const double v = bf16_to_f32(k & 1 ? xw[k >> 1] >> 16 : xw[k >> 1] & 0xffff);
+        dot += v * (double)fv[k];
+        sq += v * v;
+      }
     }
   }
   dot = warp_sum(dot);
@@ -42,7 +55,7 @@ extern "C" __global__ void __launch_bounds__(256) hc_mixes(
   __syncthreads();
   if (threadIdx.x == 0) {
     double d = 0.0, s = 0.0;
-    for (int w = 0; w < 8; ++w) d += part[0][w], s += part[1][w];
+    for (int w = 0; w < MIX_THREADS / 32; ++w) d += part[0][w], s += part[1][w];
     const float rs = (float)(1.0 / sqrt(s / len + eps));
     mix[(i64)tok * rows + r] = __fmul_rn((float)d, rs);
   }

@@ -17,17 +17,27 @@ extern "C" __global__ void __launch_bounds__(128) router_scores(
   const u16* we = w + (i64)e * D;
   for (int tok = 0; tok < tokens; ++tok) {
     const u16* xt = x + (i64)tok * D;
-    double acc = 0.0;
-    for (int d = 8 * lane; d < D; d += 256) {
-      const uint4 wv = *reinterpret_cast<const uint4*>(we + d);
-      const uint4 xv = *reinterpret_cast<const uint4*>(xt + d);
-      const u32 ww[4] = {wv.x, wv.y, wv.z, wv.w}, xx[4] = {xv.x, xv.y, xv.z, xv.w};
+    // Four chunks in flight a lane, each with its own float64 sum.
+    double part[4] = {0.0, 0.0, 0.0, 0.0};
+    for (int d0 = 8 * lane; d0 < D; d0 += 1024) {
+      uint4 wv[4], xv[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        acc += (double)(bf16_to_f32(xx[i] & 0xffff) * bf16_to_f32(ww[i] & 0xffff));
-        acc += (double)(bf16_to_f32(xx[i] >> 16) * bf16_to_f32(ww[i] >> 16));
+      for (int u = 0; u < 4; ++u) {  // D is a multiple of 256: zeros past the end add nothing
+        const bool in = d0 + 256 * u < D;
+        wv[u] = in ? *reinterpret_cast<const uint4*>(we + d0 + 256 * u) : make_uint4(0, 0, 0, 0);
+        xv[u] = in ? *reinterpret_cast<const uint4*>(xt + d0 + 256 * u) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const u32 ww[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w}, xx[4] = {xv[u].x, xv[u].y, xv[u].z, xv[u].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          part[u] += (double)(bf16_to_f32(xx[i] & 0xffff) * bf16_to_f32(ww[i] & 0xffff));
+          part[u] += (double)(bf16_to_f32(xx[i] >> 16) * bf16_to_f32(ww[i] >> 16));
+        }
       }
     }
+    double acc = (part[0] + part[1]) + (part[2] + part[3]);
     acc = warp_sum(acc);
     if (lane == 0) {
       const double z = (double)(float)acc;

@@ -27,17 +27,18 @@
 #define NEG_INF __int_as_float(0xff800000)
 
 struct AttnParams {
-  const u16* q;        // [rows, 64, 512] bf16
+  const u16* q;        // [rows, heads, 512] bf16 (heads <= 64; the rest count as zero queries)
   const u8* kv;        // KV pool [entries, 584]
   const int* idx;      // [rows, n_idx] pool entries; < 0: no entry
-  const float* sink;   // [64] attention-sink logits
+  const float* sink;   // [heads] attention-sink logits
   float* part_o;       // [rows, splits, 64, 512] unnormalised outputs of each split
   float* part_ml;      // [rows, splits, 64, 2] (running max, sum of probabilities) of each split
-  u16* out;            // [rows, 64, 512] bf16
+  u16* out;            // [rows, heads, 512] bf16
   int n_idx;           // index slots per row
   int per_split;       // index slots per split, a multiple of TILE
   int splits;
   float scale;         // softmax scale (head_dim ** -0.5)
+  int heads;           // query heads a row has (a tensor-parallel rank's share of 64)
 };
 
 // Shared memory of sparse_attn_decode, in bytes (the launcher asks for this much).
@@ -115,10 +116,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
   const int split = blockIdx.x, row = blockIdx.y;
   const int begin = split * p.per_split, end = min(p.n_idx, begin + p.per_split);
 
-  const u16* q = p.q + (i64)row * HEADS * DIM;
+  const u16* q = p.q + (i64)row * p.heads * DIM;
   for (int i = tid; i < HEADS * DIM / 8; i += 256) {
     const int h = i / (DIM / 8), c = i % (DIM / 8);
-    *reinterpret_cast<uint4*>(q_s + h * ROW + 8 * c) = *reinterpret_cast<const uint4*>(q + h * DIM + 8 * c);
+    *reinterpret_cast<uint4*>(q_s + h * ROW + 8 * c) = h < p.heads ? *reinterpret_cast<const uint4*>(q + h * DIM + 8 * c) : make_uint4(0, 0, 0, 0);
   }
 
   const int ge = tid >> 3, gj = tid & 7;  // gather role
@@ -242,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
 }
 
 // out[row, h] = sum_s w_s O_s / (sum_s w_s l_s + exp(sink[h] - M)), w_s = exp(m_s - M), M = max_s m_s;
-// the splits in order. grid (64 heads, rows), 128 threads x 4 dims.
+// the splits in order. grid (heads, rows), 128 threads x 4 dims.
 extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine(const __grid_constant__ AttnParams p) {
   const int h = blockIdx.x, row = blockIdx.y, d = 4 * threadIdx.x;
   const float* ml = p.part_ml + (i64)row * p.splits * HEADS * 2;
@@ -261,5 +262,5 @@ extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine(const __gr
     o.w += v.w * w;
   }
   l += expf(p.sink[h] - ref);
-  *reinterpret_cast<uint2*>(p.out + ((i64)row * HEADS + h) * DIM + d) = make_uint2(bf16x2(o.x / l, o.y / l), bf16x2(o.z / l, o.w / l));
+  *reinterpret_cast<uint2*>(p.out + ((i64)row * p.heads + h) * DIM + d) = make_uint2(bf16x2(o.x / l, o.y / l), bf16x2(o.z / l, o.w / l));
 }

@@ -80,6 +80,7 @@ class AttnParams(ctypes.Structure):
         ("per_split", ctypes.c_int),
         ("splits", ctypes.c_int),
         ("scale", ctypes.c_float),
+        ("heads", ctypes.c_int),
     ]
 
 
@@ -95,12 +96,12 @@ def choose_splits(n_idx: int, rows: int, sms: int) -> tuple[int, int]:
 def sparse_attention(
     q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """q bf16 [rows, 64, 512] (after the per-head norm and RoPE) against the pool entries named by
-    idx int32 [rows, n] (< 0: none), with attention sinks float32 [64] -> bf16 [rows, 64, 512].
-    Each row must name at least one entry."""
-    rows = q.shape[0]
-    if q.dtype != torch.bfloat16 or tuple(q.shape[1:]) != (HEADS, HEAD_DIM):
-        raise ValueError(f"sparse_attention: need bf16 q [rows, {HEADS}, {HEAD_DIM}], got {q.dtype} {tuple(q.shape)}")
+    """q bf16 [rows, H, 512] (after the per-head norm and RoPE; H <= 64: a tensor-parallel rank's
+    heads) against the pool entries named by idx int32 [rows, n] (< 0: none), with attention sinks
+    float32 [H] -> bf16 [rows, H, 512]. Each row must name at least one entry."""
+    rows, heads = q.shape[0], q.shape[1]
+    if q.dtype != torch.bfloat16 or q.dim() != 3 or not 1 <= heads <= HEADS or q.shape[2] != HEAD_DIM or tuple(sink.shape) != (heads,):
+        raise ValueError(f"sparse_attention: need bf16 q [rows, H <= {HEADS}, {HEAD_DIM}] and sinks [H], got {q.dtype} {tuple(q.shape)}, {tuple(sink.shape)}")
     if idx.dtype != torch.int32 or idx.dim() != 2 or idx.shape[0] != rows or idx.shape[1] < 1:
         raise ValueError(f"sparse_attention: need int32 idx [{rows}, n >= 1], got {idx.dtype} {tuple(idx.shape)}")
     if pool.dtype != torch.uint8 or pool.shape[-1] != KV_ENTRY_BYTES or not pool.is_contiguous():
@@ -110,12 +111,12 @@ def sparse_attention(
     part_o = torch.empty((rows, splits, HEADS, HEAD_DIM), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((rows, splits, HEADS, 2), dtype=torch.float32, device=q.device)
     if out is None:
-        out = torch.empty((rows, HEADS, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+        out = torch.empty((rows, heads, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     q, idx, sink = q.contiguous(), idx.contiguous(), sink.float().contiguous()
     p = AttnParams()
     p.q, p.kv, p.idx, p.sink = q.data_ptr(), pool.data_ptr(), idx.data_ptr(), sink.data_ptr()
     p.part_o, p.part_ml, p.out = part_o.data_ptr(), part_ml.data_ptr(), out.data_ptr()
-    p.n_idx, p.per_split, p.splits, p.scale = n_idx, per_split, splits, scale
+    p.n_idx, p.per_split, p.splits, p.scale, p.heads = n_idx, per_split, splits, scale, heads
     get_kernel("sparse_attn", "sparse_attn_decode", q.device)((splits, rows, 1), 256, [p], shared=SHARED_BYTES)
-    get_kernel("sparse_attn", "sparse_attn_combine", q.device)((HEADS, rows, 1), 128, [p])
+    get_kernel("sparse_attn", "sparse_attn_combine", q.device)((heads, rows, 1), 128, [p])
     return out

@@ -26,7 +26,7 @@ from dsuf.model import quant
 from dsuf.model.config import ModelConfig
 from dsuf.model.layers import Rope
 
-from .attention import HEADS, new_pool, pack_kv, sparse_attention
+from .attention import new_pool, pack_kv, sparse_attention
 from .compressor import compress_decode
 from .gemv import fp8_grouped_gemv
 from .indexer import INDEX_ENTRY_BYTES, fp4_quantize, index_scores, topk_indices
@@ -191,9 +191,7 @@ class DecodeLayer:
 
         self.wq_a, self.wq_b, self.wkv, self.wo_b = fp8(f"{a}.wq_a"), fp8(f"{a}.wq_b"), fp8(f"{a}.wkv"), fp8(f"{a}.wo_b")
         self.q_norm, self.kv_norm = t[f"{a}.q_norm.weight"].float(), t[f"{a}.kv_norm.weight"].float()
-        # The attention kernel runs 64 heads: a rank's fewer heads are padded with zero queries.
-        self.sink = torch.zeros(HEADS, device=device)
-        self.sink[: self.heads] = t[f"{a}.attn_sink"].float()
+        self.sink = t[f"{a}.attn_sink"].float()
         # wo_a: the reference dequantises it to bf16 for a grouped bf16 matmul; the kernel reads
         # the FP8 weight and dequantises exactly in registers.
         self.wo_a = (t[f"{a}.wo_a.weight"], t[f"{a}.wo_a.scale"])
@@ -256,10 +254,7 @@ class DecodeLayer:
             qr = rms_norm(self.wq_a.forward_quantized(xq, sx), self.q_norm, c.norm_eps)
             b[f"{L}.qr_q"] = act_quant(qr)
             q = rms_norm(self.wq_b.forward_quantized(*b[f"{L}.qr_q"]).view(rows, heads, hd), None, c.norm_eps)
-            q = rope_(q, ix.cos, ix.sin)
-            if heads < HEADS:
-                q = torch.cat((q, q.new_zeros(rows, HEADS - heads, hd)), dim=1)
-            b[f"{L}.q"] = q
+            b[f"{L}.q"] = rope_(q, ix.cos, ix.sin)
             kv = rms_norm(self.wkv.forward_quantized(xq, sx), self.kv_norm, c.norm_eps)
             rope_(kv.view(rows, 1, hd), ix.cos, ix.sin)
             pack_kv(kv, cache.pool, ix.window_slot)
@@ -284,7 +279,7 @@ class DecodeLayer:
 
         def attend(b: dict) -> None:
             o = sparse_attention(b[f"{L}.q"], cache.pool, ix.attn_idx, self.sink, hd**-0.5)
-            b[f"{L}.o"] = rope_(o[:, :heads].contiguous(), ix.cos, ix.sin, inverse=True)
+            b[f"{L}.o"] = rope_(o, ix.cos, ix.sin, inverse=True)
 
         def wo_a(b: dict) -> None:
             b[f"{L}.oa"] = fp8_grouped_gemv(b[f"{L}.o"].view(b[f"{L}.o"].shape[0], -1), *self.wo_a, c.o_groups * heads // c.n_heads)

@@ -12,6 +12,7 @@ import torch
 from .runtime import get_kernel, ptr
 
 HC_N = 4  # streams (hc_mult); the kernels are written for 4
+MIX_THREADS = 512  # mirror of mhc.cu
 
 
 class HcSite:
@@ -37,7 +38,7 @@ class HcSite:
         comb = torch.empty((t, n, n), dtype=torch.float32, device=x.device)
         if t:
             get_kernel("mhc", "hc_mixes", x.device)(
-                (rows, t, 1), 256, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(d), ctypes.c_double(self.norm_eps)]
+                (rows, t, 1), MIX_THREADS, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(d), ctypes.c_double(self.norm_eps)]
             )
             get_kernel("mhc", "hc_coefficients", x.device)(
                 (t, 1, 1),

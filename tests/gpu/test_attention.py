@@ -112,6 +112,22 @@ def test_sparse_attention(cuda, rows, window, compressed, missing):
     assert torch.equal(sparse_attention(q, pool, idx, sink, SCALE), out), "not deterministic"
 
 
+@pytest.mark.parametrize("heads", [32, 16, 8])
+def test_a_tensor_parallel_ranks_heads_attend_as_within_all_64(cuda, heads):
+    """A rank of a split model holds 64 / world query heads: the kernel takes them as they are
+    and gives, bit for bit, what those heads get among all 64."""
+    rows, n = 4, 640
+    pool = new_pool(rows * n, cuda)
+    pack_kv(random_kv(rows * n, cuda), pool)
+    idx = torch.randint(0, rows * n, (rows, n), device=cuda, dtype=torch.int32)
+    q = (torch.randn(rows, HEADS, DIM, device=cuda) * torch.exp(torch.randn(1, HEADS, 1, device=cuda))).to(torch.bfloat16)
+    sink = torch.randn(HEADS, device=cuda) * 2
+    every = sparse_attention(q, pool, idx, sink, SCALE)
+    first = heads * (HEADS // heads - 1)  # the last rank's heads
+    share = sparse_attention(q[:, first : first + heads].contiguous(), pool, idx, sink[first : first + heads].contiguous(), SCALE)
+    assert share.shape == (rows, heads, DIM) and torch.equal(share, every[:, first : first + heads])
+
+
 @pytest.mark.parametrize("heads, dim, inverse", [(64, 512, False), (1, 512, False), (64, 128, False), (64, 512, True)])
 def test_rope(cuda, heads, dim, inverse):
     rows = 8
