@@ -5,6 +5,7 @@
 
 extern "C" __global__ void __launch_bounds__(256) act_quant_bf16(
     const u16* __restrict__ x, u8* __restrict__ xq, float* __restrict__ sx, int rows, int K) {
+  pdl_begin();
   const int lane = threadIdx.x & 31;
   const int kb_count = K >> 7;
   const int block = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;

@@ -101,6 +101,7 @@ DSUF_DEVICE const u8* slot_of(const Peers& P, int r, u32 epoch) { return P.stagi
 
 // out = the sum over ranks of in (bf16 [n]), accumulated in float32 in rank order, rounded once.
 extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_bf16(CollParams p) {
+  pdl_begin();
   const Peers& P = p.peers;
   const u32 epoch = begin_call(P);
   i64 lo, hi;
@@ -129,6 +130,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_bf16(CollParams
 
 // in float32 [rows, n] per rank -> out float32 [rows, world * n]: out[row, r * n + j] = rank r's in[row, j].
 extern "C" __global__ void __launch_bounds__(THREADS) all_gather_f32(CollParams p) {
+  pdl_begin();
   const Peers& P = p.peers;
   const u32 epoch = begin_call(P);
   const i64 vecs = p.n / 4;  // 16-byte vectors per row a rank gives

@@ -10,6 +10,17 @@ typedef long long i64;
 
 #define DSUF_DEVICE __device__ __forceinline__
 
+// Programmatic dependent launch: every kernel is launched so that it may be scheduled while the
+// kernel before it on the stream is still running (runtime.py). Each begins here: wait until the
+// kernel before has finished and its writes are visible, then allow the next kernel to be
+// scheduled in turn, so that one kernel's launch overlaps the tail of the one before.
+DSUF_DEVICE void pdl_begin() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Float32-rounded 1/448 (0x3b124925): the reference multiplies amax by this rather than dividing.
 #define FP8_MAX 448.0f
 #define FP8_MAX_INV __int_as_float(0x3b124925)

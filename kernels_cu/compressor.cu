@@ -287,13 +287,16 @@ DSUF_DEVICE void compress_step(const CompressParams& p) {
 }
 
 extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(128) compress_csa(const __grid_constant__ CompressParams p) {
+  pdl_begin();
   compress_step<512, 4, 8>(p);
 }
 
 extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(256) compress_hca(const __grid_constant__ CompressParams p) {
+  pdl_begin();
   compress_step<512, 128, 16>(p);
 }
 
 extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(128) compress_index(const __grid_constant__ CompressParams p) {
+  pdl_begin();
   compress_step<128, 4, 8>(p);
 }

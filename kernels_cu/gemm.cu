@@ -442,14 +442,16 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
 // Up to 128 registers a thread (2 CTAs an SM) for one token tile; more tiles need more.
 #define DSUF_GEMM(name, FMT, MT, EPI)                                                  \
   extern "C" __global__ void __launch_bounds__(256, MT == 1 ? 2 : 1)                  \
-      name(const __grid_constant__ GemmParams p) {                                    \
+      name(const __grid_constant__ GemmParams p) { \
+    pdl_begin();                                                                       \
     gemm_body<FMT, MT, EPI, 1>(p);                                                     \
   }
 
 // FP4 with staged activations: U chunks a pipeline stage, at least BLOCKS CTAs an SM.
 #define DSUF_GEMM_FP4(name, EPI, U, BLOCKS)                                            \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS)                           \
-      name(const __grid_constant__ GemmParams p) {                                    \
+      name(const __grid_constant__ GemmParams p) { \
+    pdl_begin();                                                                       \
     gemm_body<FMT_FP4, 1, EPI, U>(p);                                                  \
   }
 

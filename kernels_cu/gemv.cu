@@ -244,19 +244,23 @@ DSUF_DEVICE void gemv_body(const GemvParams& p) {
 #define MIN_CTAS(FMT, MT) (FMT == FMT_BF16 && MT == 1 ? 3 : MT <= 4 ? 2 : 1)
 #define DSUF_GEMV(name, FMT, MT)                                                                   \
   extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS(FMT, MT))                          \
-      name##_s1(const __grid_constant__ GemvParams p) {                                           \
+      name##_s1(const __grid_constant__ GemvParams p) { \
+    pdl_begin(); \
     gemv_body<FMT, MT, 1>(p);                                                                      \
   }                                                                                                \
   extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, MIN_CTAS(FMT, MT)) \
-      name##_s2(const __grid_constant__ GemvParams p) {                                           \
+      name##_s2(const __grid_constant__ GemvParams p) { \
+    pdl_begin(); \
     gemv_body<FMT, MT, 2>(p);                                                                      \
   }                                                                                                \
   extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(THREADS, MIN_CTAS(FMT, MT)) \
-      name##_s4(const __grid_constant__ GemvParams p) {                                           \
+      name##_s4(const __grid_constant__ GemvParams p) { \
+    pdl_begin(); \
     gemv_body<FMT, MT, 4>(p);                                                                      \
   }                                                                                                \
   extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(THREADS, MIN_CTAS(FMT, MT)) \
-      name##_s8(const __grid_constant__ GemvParams p) {                                           \
+      name##_s8(const __grid_constant__ GemvParams p) { \
+    pdl_begin(); \
     gemv_body<FMT, MT, 8>(p);                                                                      \
   }
 

@@ -49,6 +49,7 @@ DSUF_DEVICE u32 e2m1_hi(u32 w) { return (w & 0x80808080u) | ((w & 0x70707070u) >
 DSUF_DEVICE float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 extern "C" __global__ void __launch_bounds__(256) index_scores(const __grid_constant__ IndexParams p) {
+  pdl_begin();
   __shared__ double qs_s[IDX_HEADS * 4];  // q scale * 64 (undoes the 2**-6 of the key bytes)
   __shared__ float w_s[IDX_HEADS];
   const int row = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -134,6 +135,7 @@ extern "C" __global__ void __launch_bounds__(256) index_scores(const __grid_cons
 extern "C" __global__ void __launch_bounds__(256) fp4_quant_rows(
     const u16* __restrict__ x, int rows, u8* __restrict__ q, float* __restrict__ q_scale, u8* __restrict__ pool,
     const i64* __restrict__ dst) {
+  pdl_begin();
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
   if (row >= rows) return;  // whole warps leave together
@@ -194,6 +196,7 @@ DSUF_DEVICE int block_rank(bool flag, int* warp_sums, int& total) {
 }
 
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_select(const __grid_constant__ TopkParams p) {
+  pdl_begin();
   extern __shared__ u32 cached[];
   __shared__ int hist[256];
   __shared__ int warp_sums[65];

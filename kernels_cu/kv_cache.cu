@@ -6,6 +6,7 @@
 
 extern "C" __global__ void __launch_bounds__(256) kv_pack_fp8(
     const u16* __restrict__ x, const int* __restrict__ slots, u8* __restrict__ pool, int rows) {
+  pdl_begin();
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
   if (row >= rows) return;  // whole warps leave together

@@ -18,6 +18,7 @@
 
 extern "C" __global__ void __launch_bounds__(MIX_THREADS) hc_mixes(
     const u16* __restrict__ x, const float* __restrict__ fn, float* __restrict__ mix, int D, double eps) {
+  pdl_begin();
   __shared__ double part[2][MIX_THREADS / 32];
   const int r = blockIdx.x, tok = blockIdx.y, rows = gridDim.x, len = HC_N * D;
   const u16* xt = x + (i64)tok * len;
@@ -66,6 +67,7 @@ DSUF_DEVICE double sigmoid_f64(double z) { return 1.0 / (1.0 + exp(-z)); }
 extern "C" __global__ void __launch_bounds__(32) hc_coefficients(
     const float* __restrict__ mix, const float* __restrict__ scale, const float* __restrict__ base,
     float* __restrict__ pre, float* __restrict__ post, float* __restrict__ comb, float hc_eps, int iters) {
+  pdl_begin();
   const int tok = blockIdx.x, lane = threadIdx.x;
   const float* m = mix + (i64)tok * (2 + HC_N) * HC_N;
   if (lane < HC_N) {
@@ -101,6 +103,7 @@ extern "C" __global__ void __launch_bounds__(32) hc_coefficients(
 extern "C" __global__ void __launch_bounds__(256) hc_expand(
     const u16* __restrict__ out, const u16* __restrict__ x, const float* __restrict__ post,
     const float* __restrict__ comb, u16* __restrict__ y, int D) {
+  pdl_begin();
   const int tok = blockIdx.y, d = (blockIdx.x * 256 + threadIdx.x) * 8;
   if (d >= D) return;
   float cm[HC_N][HC_N], pk[HC_N];

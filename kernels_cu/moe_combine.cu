@@ -9,6 +9,7 @@
 extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
     const u16* __restrict__ routed, const u16* __restrict__ shared, const int* __restrict__ expert,
     u16* __restrict__ out, int D, int topk) {
+  pdl_begin();
   __shared__ int order[MAX_TOPK];
   const int tok = blockIdx.y;
   if (threadIdx.x < topk) {

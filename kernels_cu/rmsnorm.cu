@@ -74,11 +74,13 @@ DSUF_DEVICE void rmsnorm_row(const u16* __restrict__ x, const float* __restrict_
 // x [rows, D] bf16, w [D] float32 or null -> out [rows, D] bf16.
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_bf16(
     const u16* x, const float* w, u16* out, int D, float eps) {
+  pdl_begin();
   rmsnorm_row<false>(x, nullptr, 1, w, out, D, eps);
 }
 
 // X [rows, n, D] bf16 streams, pre [rows, n] float32, w [D] float32 -> out [rows, D] bf16.
 extern "C" __global__ void __launch_bounds__(256) hc_collapse_rmsnorm_bf16(
     const u16* x, const float* pre, int n, const float* w, u16* out, int D, float eps) {
+  pdl_begin();
   rmsnorm_row<true>(x, pre, n, w, out, D, eps);
 }

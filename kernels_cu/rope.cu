@@ -9,6 +9,7 @@
 extern "C" __global__ void __launch_bounds__(256) rope_bf16(
     u16* __restrict__ x, const float* __restrict__ cos_t, const float* __restrict__ sin_t, int rows, int heads,
     int dim, int inverse) {
+  pdl_begin();
   const i64 i = (i64)blockIdx.x * 256 + threadIdx.x;
   if (i >= (i64)rows * heads * ROPE_PAIRS) return;
   const int pair = (int)(i % ROPE_PAIRS);

@@ -11,6 +11,7 @@
 
 extern "C" __global__ void __launch_bounds__(128) router_scores(
     const u16* __restrict__ x, const u16* __restrict__ w, float* __restrict__ scores, int tokens, int experts, int D) {
+  pdl_begin();
   const int lane = threadIdx.x & 31;
   const int e = blockIdx.x * 4 + (threadIdx.x >> 5);
   if (e >= experts) return;
@@ -51,6 +52,7 @@ extern "C" __global__ void __launch_bounds__(32) router_select(
     const float* __restrict__ scores, const float* __restrict__ bias, const int* __restrict__ tid2eid,
     const i64* __restrict__ ids, int* __restrict__ idx, float* __restrict__ weights, int experts, int topk,
     double route_eps, float route_scale) {
+  pdl_begin();
   __shared__ float biased[ROUTER_MAX_EXPERTS];
   __shared__ int pick[ROUTER_MAX_TOPK];
   const int tok = blockIdx.x, lane = threadIdx.x;

@@ -104,6 +104,7 @@ DSUF_DEVICE void gather_store(const Gather& g, u16* k_row, int* idx_s, int e, in
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __grid_constant__ AttnParams p) {
+  pdl_begin();
   extern __shared__ __align__(16) u8 smem[];
   u16* q_s = reinterpret_cast<u16*>(smem + SMEM_Q);
   u16* k_s = reinterpret_cast<u16*>(smem + SMEM_K);
@@ -245,6 +246,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
 // out[row, h] = sum_s w_s O_s / (sum_s w_s l_s + exp(sink[h] - M)), w_s = exp(m_s - M), M = max_s m_s;
 // the splits in order. grid (heads, rows), 128 threads x 4 dims.
 extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine(const __grid_constant__ AttnParams p) {
+  pdl_begin();
   const int h = blockIdx.x, row = blockIdx.y, d = 4 * threadIdx.x;
   const float* ml = p.part_ml + (i64)row * p.splits * HEADS * 2;
   float mx = NEG_INF;

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 from collections.abc import Sequence
 
@@ -46,6 +47,20 @@ def _check(err, what: str) -> None:
 
 
 STATIC_SHARED_LIMIT = 48 << 10  # dynamic shared memory beyond this needs the kernel's opt-in
+
+# Programmatic dependent launch (Hopper and later): a kernel may be scheduled while the one before
+# it on the stream runs; every kernel waits for its predecessor first (pdl_begin in common.cuh).
+# DSUF_PDL=0 launches plainly, for comparison.
+PDL = os.environ.get("DSUF_PDL", "1") != "0"
+
+
+@functools.cache
+def _pdl_attribute():
+    driver = _driver()
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    return attr
 
 
 class Kernel:
@@ -86,10 +101,19 @@ class Kernel:
         stream = stream or torch.cuda.current_stream()
         self._grant_shared(shared, stream.device.index if stream.device.index is not None else torch.cuda.current_device())
         params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-        (err,) = driver.cuLaunchKernel(
-            self._function, *grid, block, 1, 1, shared, driver.CUstream(stream.cuda_stream), ctypes.addressof(params), 0
-        )
-        _check(err, f"cuLaunchKernel({self.name})")
+        if not PDL:
+            (err,) = driver.cuLaunchKernel(
+                self._function, *grid, block, 1, 1, shared, driver.CUstream(stream.cuda_stream), ctypes.addressof(params), 0
+            )
+            _check(err, f"cuLaunchKernel({self.name})")
+            return
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+        config.sharedMemBytes, config.hStream = shared, driver.CUstream(stream.cuda_stream)
+        config.attrs, config.numAttrs = [_pdl_attribute()], 1
+        (err,) = driver.cuLaunchKernelEx(config, self._function, ctypes.addressof(params), 0)
+        _check(err, f"cuLaunchKernelEx({self.name})")
 
 
 _lock = threading.Lock()
