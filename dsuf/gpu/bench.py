@@ -312,7 +312,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=20, help="graph replays timed (median)")
     p.add_argument("--no-reference", action="store_true", help="skip the reference path")
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage timing")
-    p.add_argument("--profile", action="store_true", help="also print the CUDA kernels of one eager step of the first configuration (torch.profiler)")
+    p.add_argument("--profile", action="store_true", help="also print the CUDA kernels of one eager step of the first configuration "
+                   "(with --model --prefill: of one prompt chunk) (torch.profiler)")
     p.add_argument("--config", help="a config.json to take the shapes from (default: V4-Flash's, built in)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill", type=int, default=0, metavar="TOKENS", help="with --model: also time one prompt of this many tokens per context")
@@ -361,6 +362,8 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
                 f"({nbytes / 1e6:.0f} MB a GPU, floor {floor:.1f} µs, {step_us / floor:.1f}x; collectives {coll:.0f} µs)", flush=True)
         if args.prefill and args.prefill <= ctx:
             seconds = prefill_seconds(model, args.prefill, c.vocab_size)
+            if args.profile and ctx == args.context[0]:
+                profile_chunk(model, c.vocab_size, show=rank == 0)
             prefills.append((args.prefill, ctx, seconds))
             say(f"  prefill of a {args.prefill}-token prompt (context {ctx}): {seconds:.2f} s = {args.prefill / seconds:.0f} tokens/s", flush=True)
         del model
@@ -378,6 +381,17 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
         for n_tokens, ctx, seconds in prefills:
             say(f"| {n_tokens} | {ctx} | {seconds:.2f} | {n_tokens / seconds:.0f} |")
     return 0
+
+
+def profile_chunk(model, vocab: int, show: bool) -> None:
+    """The kernels of one prompt chunk, run eagerly (every rank runs it; `show` prints)."""
+    seq, model.graphs = model.new_state(), False
+    chunk = torch.randint(0, vocab, (PREFILL_CHUNK,))
+    try:
+        profiled(lambda: model.forward_batch([(chunk, seq)]), f"one prompt chunk of {PREFILL_CHUNK} tokens (eager), rank 0", show)
+    finally:
+        model.graphs = True
+        model.free(seq)
 
 
 def prefill_seconds(model, n_tokens: int, vocab: int) -> float:
@@ -549,14 +563,19 @@ def bench_one(c: ModelConfig, layers: list[int], fast: list[DecodeLayer], blocks
 
 def print_profile(stages: list[Stage], buf: dict, batch: int, context: int) -> None:
     """The CUDA kernels of one eager step, by total device time (torch.profiler)."""
+    profiled(lambda: [s.run(buf) for s in stages], f"one eager step, batch {batch}, context {context}")
+
+
+def profiled(run: Callable[[], object], what: str, show: bool = True) -> None:
+    """Run once under torch.profiler and print its CUDA kernels by total device time."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for s in stages:
-            s.run(buf)
+        run()
         torch.cuda.synchronize()
-    print(f"\nCUDA kernels of one eager step, batch {batch}, context {context}:")
-    print(prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=70), flush=True)
+    if show:
+        print(f"\nCUDA kernels of {what}:")
+        print(prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=70), flush=True)
 
 
 def _errors_text(layers: list[int], errors: list[tuple[float, float, float]]) -> str:

@@ -61,7 +61,7 @@ def compressor_state(slots: int, ratio: int, width: int, device: torch.device) -
     return torch.zeros(shape, device=device), torch.full(shape, float("-inf"), device=device)
 
 
-PREFILL_CHUNK = 128  # rows of one sequence a step may hold
+PREFILL_CHUNK = 256  # rows of one sequence a step may hold: a prompt chunk reads the MoE weights once
 
 
 def ring_size(c: ModelConfig) -> int:

@@ -48,7 +48,7 @@ class Router:
         out = torch.empty((x.shape[0], experts), dtype=torch.float32, device=x.device)
         if x.shape[0]:
             get_kernel("router", "router_scores", x.device)(
-                (math.ceil(experts / 4), 1, 1),
+                (math.ceil(experts / 4), x.shape[0], 1),
                 128,
                 [ptr(x.contiguous()), ptr(self.gate), ptr(out), ctypes.c_int(x.shape[0]), ctypes.c_int(experts), ctypes.c_int(dim)],
             )

@@ -77,6 +77,9 @@ def check_tp(c: ModelConfig, world: int) -> None:
             wrong.append(f"{c.n_heads} heads in {c.o_groups} groups")
         if c.moe_inter_dim % (128 * world):
             wrong.append(f"moe_inter_dim {c.moe_inter_dim} (needs a multiple of {128 * world})")
+        for what, rows in (("query rows (heads x head_dim)", c.n_heads * c.head_dim), ("wo_a rows (o_groups x o_lora_rank)", c.o_groups * c.o_lora_rank)):
+            if rows % (128 * world):
+                wrong.append(f"{what} {rows} (needs a multiple of {128 * world}: FP8 blocks of 128)")
         if c.vocab_size % (4 * world):
             wrong.append(f"vocab_size {c.vocab_size} (needs a multiple of {4 * world})")
     if wrong:

@@ -167,7 +167,9 @@ def test_a_prompt_fed_in_chunks_computes_what_it_computes_token_by_token(models)
     from gpu_checks import state_tensors
 
     c, gpu, _, _ = models
-    prompt = torch.randint(0, c.vocab_size, (300,))  # two full chunks and part of a third: windows, HCA and CSA groups across chunk edges
+    from dsuf.gpu.layer import PREFILL_CHUNK
+
+    prompt = torch.randint(0, c.vocab_size, (2 * PREFILL_CHUNK + 44,))  # windows, HCA and CSA groups across chunk edges
     seq = gpu.new_state()
     chunked = gpu.forward_batch([(prompt, seq)])[0]
     by_chunk = state_tensors(gpu.export_state(seq))
