@@ -13,7 +13,7 @@
 // run in stream order). Epochs are per-CTA counters in device memory, so replays of a captured
 // graph keep counting. Sums are taken in rank order, so every rank gets the same bits (ranks keep
 // replicated state, e.g. KV caches and expert routing, that must not drift apart).
-#include "common.cuh"
+#include "hc_expand.cuh"
 
 #define MAX_RANKS 8
 #define CTAS 32
@@ -35,6 +35,13 @@ struct CollParams {
   void* out;
   i64 n;     // all_reduce_bf16: elements (a multiple of 8); all_gather_f32: floats a rank gives per row (a multiple of 4)
   int rows;  // all_gather_f32: rows
+  // all_reduce_expand_bf16: the mHC update that follows (hc_expand8) of streams x [T, 4, dim]
+  // with post [T, 4] and comb [T, 4, 4] into y [T, 4, dim]; in / out are [T, dim].
+  const u16* x;
+  const float* post;
+  const float* comb;
+  u16* y;
+  int dim;
 };
 
 DSUF_DEVICE u32 ld_acquire_sys(const u32* p) {
@@ -99,6 +106,29 @@ DSUF_DEVICE void stage_in(const Peers& P, u32 epoch, const uint4* in, i64 lo, i6
 
 DSUF_DEVICE const u8* slot_of(const Peers& P, int r, u32 epoch) { return P.staging[r] + (epoch & 1) * P.slot_bytes; }
 
+// The rank-ordered float32 sum of vector i (8 bf16) of every rank's staged input, each element
+// rounded to bf16 (returned as floats) and stored to out.
+DSUF_DEVICE void sum8(const Peers& P, u32 epoch, i64 i, uint4* out, float o[8]) {
+  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  for (int r = 0; r < P.world; ++r) {
+    const uint4 v = ld_volatile_u4(slot_of(P, r, epoch) + i * 16);
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      acc[2 * k] += bf16_to_f32(w[k] & 0xffff);
+      acc[2 * k + 1] += bf16_to_f32(w[k] >> 16);
+    }
+  }
+  u32 packed[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    packed[k] = f32_to_bf16(acc[2 * k]) | ((u32)f32_to_bf16(acc[2 * k + 1]) << 16);
+    o[2 * k] = bf16_to_f32(packed[k] & 0xffff);
+    o[2 * k + 1] = bf16_to_f32(packed[k] >> 16);
+  }
+  out[i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
 // out = the sum over ranks of in (bf16 [n]), accumulated in float32 in rank order, rounded once.
 extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_bf16(CollParams p) {
   pdl_begin();
@@ -108,22 +138,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_bf16(CollParams
   share(p.n / 8, lo, hi);
   stage_in(P, epoch, reinterpret_cast<const uint4*>(p.in), lo, hi);
   meet(P, epoch);
-  uint4* out = reinterpret_cast<uint4*>(p.out);
+  float o[8];
+  for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) sum8(P, epoch, i, reinterpret_cast<uint4*>(p.out), o);
+  end_call(P, epoch);
+}
+
+// all_reduce_bf16 of a sublayer's partial outputs [T, dim], then the mHC stream update with the
+// sum (hc_expand's, bit for bit): one kernel where the two would be two.
+extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_expand_bf16(CollParams p) {
+  pdl_begin();
+  const Peers& P = p.peers;
+  const u32 epoch = begin_call(P);
+  i64 lo, hi;
+  share(p.n / 8, lo, hi);
+  stage_in(P, epoch, reinterpret_cast<const uint4*>(p.in), lo, hi);
+  meet(P, epoch);
+  float o[8];
   for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) {
-    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    for (int r = 0; r < P.world; ++r) {
-      const uint4 v = ld_volatile_u4(slot_of(P, r, epoch) + i * 16);
-      const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        acc[2 * k] += bf16_to_f32(w[k] & 0xffff);
-        acc[2 * k + 1] += bf16_to_f32(w[k] >> 16);
-      }
-    }
-    u32 o[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) o[k] = f32_to_bf16(acc[2 * k]) | ((u32)f32_to_bf16(acc[2 * k + 1]) << 16);
-    out[i] = make_uint4(o[0], o[1], o[2], o[3]);
+    sum8(P, epoch, i, reinterpret_cast<uint4*>(p.out), o);
+    const i64 e = 8 * i;
+    hc_expand8(o, p.x, p.post, p.comb, p.y, (int)(e / p.dim), (int)(e % p.dim), p.dim);
   }
   end_call(P, epoch);
 }

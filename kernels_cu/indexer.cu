@@ -27,13 +27,16 @@
 struct IndexParams {
   const u8* q;           // [rows, 64, 128] e4m3: the FP4 queries' e2m1 values
   const float* q_scale;  // [rows, 64, 4] their scales
-  const float* w;        // [rows, 64] head weights (weights_proj(x) * (128 * 64) ** -0.5)
+  const float* w;        // [rows, 64] head weights, rows w_stride floats apart: weights_proj(x), scaled below
   const u8* keys;        // index-key pool [entries, 68]
   const int* key_start;  // [rows] pool entry of the row's key 0
   const int* n_keys;     // [rows] keys of the row
   float* scores;         // [rows, stride]
   int stride;
   int chunk;             // keys per CTA, a multiple of 128
+  long long w_stride;
+  float w_scale;         // head weight = f32(w) * w_scale, or f32(bf16(w)) * w_scale with w_bf16
+  int w_bf16;            //   (the reference's weights_proj output is bf16: (128 * 64) ** -0.5 after)
 };
 
 DSUF_DEVICE u32 ldg_u32(const void* p) {
@@ -54,7 +57,10 @@ extern "C" __global__ void __launch_bounds__(256) index_scores(const __grid_cons
   __shared__ float w_s[IDX_HEADS];
   const int row = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   for (int i = threadIdx.x; i < IDX_HEADS * 4; i += blockDim.x) qs_s[i] = 64.0 * (double)p.q_scale[(i64)row * IDX_HEADS * 4 + i];
-  if (threadIdx.x < IDX_HEADS) w_s[threadIdx.x] = p.w[(i64)row * IDX_HEADS + threadIdx.x];
+  if (threadIdx.x < IDX_HEADS) {
+    const float w = p.w[(i64)row * p.w_stride + threadIdx.x];
+    w_s[threadIdx.x] = __fmul_rn(p.w_bf16 ? bf16_round(w) : w, p.w_scale);
+  }
 
   // B fragments of all 64 heads (8 tiles of 8) x 4 blocks: head 8 nt + g, elements 32 b + 8 t ..
   u32 b0[8][4], b1[8][4];

@@ -9,9 +9,7 @@
 //                    grid (D / 2048, T), 256 threads x 8 dims.
 // Float32 products and sums are written with __fmul_rn / __fadd_rn so that none is contracted to
 // an FMA: the reference rounds each of them.
-#include "common.cuh"
-
-#define HC_N 4
+#include "hc_expand.cuh"
 
 #define MIX_THREADS 512
 #define MIX_UNROLL 4  // chunks of 8 a thread has in flight
@@ -106,36 +104,10 @@ extern "C" __global__ void __launch_bounds__(256) hc_expand(
   pdl_begin();
   const int tok = blockIdx.y, d = (blockIdx.x * 256 + threadIdx.x) * 8;
   if (d >= D) return;
-  float cm[HC_N][HC_N], pk[HC_N];
-#pragma unroll
-  for (int j = 0; j < HC_N; ++j) {
-    pk[j] = post[tok * HC_N + j];
-#pragma unroll
-    for (int k = 0; k < HC_N; ++k) cm[j][k] = comb[(tok * HC_N + j) * HC_N + k];
-  }
-  float o[8], xs[HC_N][8];
+  float o[8];
   const uint4 ov = *reinterpret_cast<const uint4*>(out + (i64)tok * D + d);
   const u32 ow[4] = {ov.x, ov.y, ov.z, ov.w};
 #pragma unroll
   for (int i = 0; i < 8; ++i) o[i] = bf16_to_f32(i & 1 ? ow[i >> 1] >> 16 : ow[i >> 1] & 0xffff);
-#pragma unroll
-  for (int j = 0; j < HC_N; ++j) {
-    const uint4 xv = *reinterpret_cast<const uint4*>(x + ((i64)tok * HC_N + j) * D + d);
-    const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) xs[j][i] = bf16_to_f32(i & 1 ? xw[i >> 1] >> 16 : xw[i >> 1] & 0xffff);
-  }
-#pragma unroll
-  for (int k = 0; k < HC_N; ++k) {
-    float r[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      double mixed = 0.0;
-#pragma unroll
-      for (int j = 0; j < HC_N; ++j) mixed += (double)cm[j][k] * (double)xs[j][i];
-      r[i] = __fadd_rn(__fmul_rn(pk[k], o[i]), (float)mixed);
-    }
-    *reinterpret_cast<uint4*>(y + ((i64)tok * HC_N + k) * D + d) =
-        make_uint4(bf16x2(r[0], r[1]), bf16x2(r[2], r[3]), bf16x2(r[4], r[5]), bf16x2(r[6], r[7]));
-  }
+  hc_expand8(o, x, post, comb, y, tok, d, D);
 }

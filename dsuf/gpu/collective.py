@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from .mhc import HC_N, hc_expand
 from .runtime import _check, _driver, get_kernel
 
 MAX_RANKS = 8
@@ -41,6 +42,11 @@ class Collective(Protocol):
         """float32 [rows, n] -> [rows, world * n], rank r's columns at r * n."""
         ...
 
+    def all_reduce_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sublayer's partial outputs bf16 [T, D] summed, then the mHC update of the streams x
+        bf16 [T, 4, D] with it (mhc.hc_expand): (the sum, the new streams)."""
+        ...
+
 
 class _Peers(ctypes.Structure):
     _fields_ = [
@@ -54,7 +60,18 @@ class _Peers(ctypes.Structure):
 
 
 class _CollParams(ctypes.Structure):
-    _fields_ = [("peers", _Peers), ("inp", ctypes.c_void_p), ("out", ctypes.c_void_p), ("n", ctypes.c_int64), ("rows", ctypes.c_int)]
+    _fields_ = [
+        ("peers", _Peers),
+        ("inp", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("rows", ctypes.c_int),
+        ("x", ctypes.c_void_p),
+        ("post", ctypes.c_void_p),
+        ("comb", ctypes.c_void_p),
+        ("y", ctypes.c_void_p),
+        ("dim", ctypes.c_int),
+    ]
 
 
 class IpcCollective:
@@ -117,12 +134,12 @@ class IpcCollective:
             driver.cuMemFree(p)
         self._opened, self._own = [], []
 
-    def _launch(self, name: str, x: torch.Tensor, out: torch.Tensor, n: int, rows: int) -> None:
+    def _launch(self, name: str, x: torch.Tensor, out: torch.Tensor, n: int, rows: int, **expand) -> None:
         if x.device != self.device or not x.is_contiguous():
             raise ValueError(f"{name}: need a contiguous tensor on {self.device}")
         if x.numel() * x.element_size() > self.slot_bytes:
             raise ValueError(f"{name}: {x.numel() * x.element_size()} bytes exceed the staging slot of {self.slot_bytes}")
-        p = _CollParams(self._peers, x.data_ptr(), out.data_ptr(), n, rows)
+        p = _CollParams(self._peers, x.data_ptr(), out.data_ptr(), n, rows, **expand)
         get_kernel("collective", name, self.device)((CTAS, 1, 1), THREADS, [p])
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,6 +148,17 @@ class IpcCollective:
         out = torch.empty_like(x)
         self._launch("all_reduce_bf16", x, out, x.numel(), 1)
         return out
+
+    def all_reduce_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t, d = partial.shape
+        if partial.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or tuple(x.shape) != (t, HC_N, d) or d % 8:
+            raise ValueError(f"all_reduce_expand: need bf16 partial [T, D] and streams [T, {HC_N}, D], got {tuple(partial.shape)}, {tuple(x.shape)}")
+        out, x = torch.empty_like(partial), x.contiguous()
+        y = torch.empty_like(x)
+        post, comb = post.float().contiguous(), comb.float().contiguous()
+        self._launch("all_reduce_expand_bf16", partial, out, partial.numel(), 1,
+                     x=x.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(), y=y.data_ptr(), dim=d)
+        return out, y
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 4:
@@ -152,6 +180,10 @@ class NcclCollective:
         out = x.clone()
         dist.all_reduce(out, group=self.group)
         return out
+
+    def all_reduce_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total = self.all_reduce(partial)
+        return total, hc_expand(total, x, post, comb)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         rows, n = x.shape

@@ -83,6 +83,9 @@ class IndexParams(ctypes.Structure):
         ("scores", ctypes.c_void_p),
         ("stride", ctypes.c_int),
         ("chunk", ctypes.c_int),
+        ("w_stride", ctypes.c_int64),
+        ("w_scale", ctypes.c_float),
+        ("w_bf16", ctypes.c_int),
     ]
 
 
@@ -110,13 +113,17 @@ def index_scores(
     key_start: torch.Tensor,
     n_keys: torch.Tensor,
     max_keys: int,
+    weight_scale: float = 1.0,
+    weights_bf16: bool = False,
 ) -> torch.Tensor:
     """Index scores float32 [rows, max_keys]: row r scores keys[key_start[r] + j] for
     j < n_keys[r] (int32 device tensors, so they may change without the host knowing; every
     n_keys[r] <= max_keys); columns past n_keys[r] are -inf.
 
     q: float8_e4m3fn [rows, 64, 128] and q_scale float32 [rows, 64, 4] (`fp4_quantize` of the
-    queries); weights float32 [rows, 64]; keys: the 68-byte entry pool uint8 [entries, 68]."""
+    queries); weights float32 [rows, 64] (rows may be strided, e.g. a column slice of a wider
+    projection), used as f32(weights) * weight_scale, or with weights_bf16 as
+    f32(bf16(weights)) * weight_scale; keys: the 68-byte entry pool uint8 [entries, 68]."""
     rows = q.shape[0]
     if q.dtype != torch.float8_e4m3fn or tuple(q.shape[1:]) != (INDEX_HEADS, INDEX_DIM):
         raise ValueError(f"index_scores: need e4m3 q [rows, {INDEX_HEADS}, {INDEX_DIM}], got {q.dtype} {tuple(q.shape)}")
@@ -127,11 +134,14 @@ def index_scores(
             raise ValueError(f"index_scores: {name} must be int32 [{rows}]")
     scores = torch.empty((rows, max_keys), dtype=torch.float32, device=q.device)
     chunk = 128 * max(1, min(8, math.ceil(max_keys / (128 * 256))))  # ≥ 256 CTAs a row at long context
-    q, q_scale, weights = q.contiguous(), q_scale.float().contiguous(), weights.float().contiguous()
+    if weights.dtype != torch.float32 or tuple(weights.shape) != (rows, INDEX_HEADS) or weights.stride(1) != 1:
+        weights = weights.float().contiguous()
+    q, q_scale = q.contiguous(), q_scale.float().contiguous()
     p = IndexParams()
     p.q, p.q_scale, p.w, p.keys = q.data_ptr(), q_scale.data_ptr(), weights.data_ptr(), keys.data_ptr()
     p.key_start, p.n_keys, p.scores = key_start.data_ptr(), n_keys.data_ptr(), scores.data_ptr()
     p.stride, p.chunk = max_keys, chunk
+    p.w_stride, p.w_scale, p.w_bf16 = weights.stride(0), weight_scale, int(weights_bf16)
     get_kernel("indexer", "index_scores", q.device)((math.ceil(max_keys / chunk), rows, 1), 256, [p])
     return scores
 

@@ -230,9 +230,12 @@ class DecodeLayer:
         out = torch.mm(y, self.proj.t(), out_dtype=torch.float32) if self.mm_out_dtype else y.float() @ self.proj.t()
         return list(out.split(self.proj_split, dim=1))
 
-    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
-        """The ranks' partial outputs summed (the output itself without tensor parallelism)."""
-        return self.tp.collective.all_reduce(partial) if self.tp else partial
+    def _sum_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sublayer's output (the ranks' partial outputs summed, in one kernel with the update)
+        and the mHC update of the streams x with it."""
+        if self.tp:
+            return self.tp.collective.all_reduce_expand(partial, x, post, comb)
+        return partial, hc_expand(partial, x, post, comb)
 
     def stages(self, cache: LayerCache, ix: StepIndex) -> list[Stage]:
         """The decode step of this layer as stages over a buffer dict: reads f"x{layer}" (bf16
@@ -266,7 +269,7 @@ class DecodeLayer:
             if ratio == 4:
                 compress_decode(parts[2], parts[3], ix.positions, cache.idx_kv, cache.idx_score, self.idx_ape, self.idx_norm, self.rope.freqs,
                                 c.norm_eps, cache.keys, ix.key_row, state_rows=b["slots"], runs=b.get("runs"))
-                b[f"{L}.weights"] = parts[4].to(torch.bfloat16).float() * (c.index_head_dim**-0.5 * c.index_n_heads**-0.5)
+                b[f"{L}.weights"] = parts[4]  # weights_proj(y) in float32; index_scores rounds it to bf16 and scales it
 
         def index_query(b: dict) -> None:
             rows = b[f"{L}.y"].shape[0]
@@ -274,7 +277,8 @@ class DecodeLayer:
             b[f"{L}.qi"] = fp4_quantize(quant.hadamard_transform(rope_(qi, ix.cos, ix.sin)))
 
         def index_select(b: dict) -> None:
-            scores = index_scores(*b[f"{L}.qi"], b[f"{L}.weights"], cache.keys, ix.key_start, ix.n_keys, cache.n_max)
+            scores = index_scores(*b[f"{L}.qi"], b[f"{L}.weights"], cache.keys, ix.key_start, ix.n_keys, cache.n_max,
+                                  weight_scale=c.index_head_dim**-0.5 * c.index_n_heads**-0.5, weights_bf16=True)
             topk_indices(scores, ix.n_keys, c.index_topk, out=ix.attn_idx, out_col=c.window_size, offset=ix.comp_base)
 
         def attend(b: dict) -> None:
@@ -285,8 +289,7 @@ class DecodeLayer:
             b[f"{L}.oa"] = fp8_grouped_gemv(b[f"{L}.o"].view(b[f"{L}.o"].shape[0], -1), *self.wo_a, c.o_groups * heads // c.n_heads)
 
         def wo_b_expand(b: dict) -> None:
-            b[f"{L}.attn"] = self._sum(self.wo_b(b[f"{L}.oa"]))
-            b[f"{L}.xa"] = hc_expand(b[f"{L}.attn"], b[f"x{L}"], b[f"{L}.post"], b[f"{L}.comb"])
+            b[f"{L}.attn"], b[f"{L}.xa"] = self._sum_expand(self.wo_b(b[f"{L}.oa"]), b[f"x{L}"], b[f"{L}.post"], b[f"{L}.comb"])
 
         def mhc_ffn_route(b: dict) -> None:
             b[f"{L}.pre2"], b[f"{L}.post2"], b[f"{L}.comb2"] = self.hc_ffn.coefficients(b[f"{L}.xa"])
@@ -294,8 +297,7 @@ class DecodeLayer:
             b[f"{L}.route"] = self.router(b[f"{L}.y2"], b["ids"])
 
         def moe_expand(b: dict) -> None:
-            b[f"{L}.moe"] = self._sum(self.moe(b[f"{L}.y2"], *b[f"{L}.route"]))
-            b[f"x{L + 1}"] = hc_expand(b[f"{L}.moe"], b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
+            b[f"{L}.moe"], b[f"x{L + 1}"] = self._sum_expand(self.moe(b[f"{L}.y2"], *b[f"{L}.route"]), b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
 
         def qkv_and_compress(b: dict) -> None:
             # Both read only y: the compressors run on a side stream alongside the projections

@@ -86,6 +86,23 @@ def test_index_scores(cuda, n_keys):
     assert worst_rel <= 2**-7  # one bf16 ulp
 
 
+def test_index_scores_form_the_head_weights_from_the_raw_projection(cuda):
+    """The decode layer hands over weights_proj(x) as a float32 column slice of a wider projection:
+    rounded to bf16 and scaled inside, it scores exactly as the weights formed beforehand."""
+    rows, n = 3, 2000
+    q8, qs = fp4_quantize(fp4_values((rows, HEADS, DIM), cuda))
+    pool = pack_index_keys(fp4_values((rows * n, DIM), cuda))
+    key_start = torch.arange(0, rows * n, n, dtype=torch.int32, device=cuda)
+    n_dev = torch.full((rows,), n, dtype=torch.int32, device=cuda)
+    projection = torch.randn(rows, 3 * HEADS, device=cuda) * 4  # [other outputs | weights_proj | more]
+    raw = projection[:, HEADS : 2 * HEADS]
+    scale = DIM**-0.5 * HEADS**-0.5
+    formed = raw.to(torch.bfloat16).float() * scale
+    want = index_scores(q8, qs, formed, pool, key_start, n_dev, n)
+    got = index_scores(q8, qs, raw, pool, key_start, n_dev, n, weight_scale=scale, weights_bf16=True)
+    assert raw.stride(0) == 3 * HEADS and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("n_keys", [[100], [4096], [16384, 300, 16000], [60000], [262144, 1000]])
 @pytest.mark.parametrize("ties", [False, True])
 def test_topk(cuda, n_keys, ties):

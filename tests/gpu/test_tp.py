@@ -1,5 +1,6 @@
 """Tensor parallelism on two GPUs (dsuf.gpu.tp, dsuf.gpu.collective): the IPC collectives give
-exactly the rank-ordered sum (the same bits on every rank, eager and replayed in CUDA graphs), and a
+exactly the rank-ordered sum (the same bits on every rank, eager and replayed in CUDA graphs; fused
+with the mHC update, the same bits as unfused), and a
 model split over two ranks computes what the same model computes on one GPU, with the replicated
 state (KV caches, compressor states) identical on both ranks. Each rank runs in its own process,
 as in the server; they write what they computed for this process to check."""
@@ -35,6 +36,7 @@ def _graph_us(call) -> float:
 
 def _collectives_rank(rank: int, init: str, out: Path) -> None:
     from dsuf.gpu.collective import NcclCollective
+    from dsuf.gpu.mhc import hc_expand
     from dsuf.gpu.tp import start
 
     device = torch.device("cuda", rank)
@@ -47,6 +49,15 @@ def _collectives_rank(rank: int, init: str, out: Path) -> None:
         got[f"reduce in {rows}"], got[f"reduce ipc {rows}"], got[f"reduce nccl {rows}"] = x.cpu(), ipc.all_reduce(x).cpu(), nccl.all_reduce(x).cpu()
     part = torch.randn(3, 64640, generator=gen, device=device)
     got["gather in"], got["gather ipc"] = part.cpu(), ipc.all_gather(part).cpu()
+
+    # The all-reduce fused with the mHC update that follows it: the streams and coefficients are
+    # replicated (the same on every rank), the partial outputs are each rank's own.
+    shared = torch.Generator(device).manual_seed(99)
+    streams = torch.randn(5, 4, 4096, generator=shared, device=device).bfloat16()
+    post, comb = torch.rand(5, 4, generator=shared, device=device) * 2, torch.rand(5, 4, 4, generator=shared, device=device)
+    partial = (torch.randn(5, 4096, generator=gen, device=device) * 4).bfloat16()
+    total, fused = ipc.all_reduce_expand(partial, streams, post, comb)
+    got["expand"] = (total.cpu(), fused.cpu(), hc_expand(ipc.all_reduce(partial), streams, post, comb).cpu(), nccl.all_reduce_expand(partial, streams, post, comb)[1].cpu())
 
     # Captured: two all-reduces and a gather per replay (slots alternate within and across
     # replays), fed new inputs before every replay.
@@ -86,6 +97,9 @@ def test_ipc_collectives_give_every_rank_the_rank_ordered_sum_eager_and_in_graph
         for r in ranks:
             assert torch.equal(r[f"reduce ipc {rows}"], want)
             print(f"\n  {rows} x 4096 all-reduce: NCCL vs the rank-ordered sum, rel err {rel(r[f'reduce nccl {rows}'].float(), want.float()):.1e}")
+    for r in ranks:  # fused with the mHC update: the same bits as the all-reduce, then hc_expand (and as over NCCL)
+        total, fused, unfused, over_nccl = r["expand"]
+        assert torch.equal(total, ranks[0]["expand"][0]) and torch.equal(fused, unfused) and torch.equal(fused, over_nccl)
     want = torch.cat([r["gather in"] for r in ranks], dim=1)
     assert all(torch.equal(r["gather ipc"], want) for r in ranks)
     for step in range(5):

@@ -1,0 +1,40 @@
+// The mHC stream update of 8 consecutive dims of one token (layers.hc_expand):
+//   X'_k = f32(post_k * out) + f32(sum_j comb[j, k] X_j (float64)), to bf16,
+// given the sublayer output `o` (8 floats, already rounded to bf16 values) at dims d .. d + 7.
+// Shared by mhc.cu's hc_expand and collective.cu's all-reduce fused with it.
+#pragma once
+#include "common.cuh"
+
+#define HC_N 4
+
+DSUF_DEVICE void hc_expand8(const float o[8], const u16* __restrict__ x, const float* __restrict__ post,
+                            const float* __restrict__ comb, u16* __restrict__ y, int tok, int d, int D) {
+  float cm[HC_N][HC_N], pk[HC_N];
+#pragma unroll
+  for (int j = 0; j < HC_N; ++j) {
+    pk[j] = post[tok * HC_N + j];
+#pragma unroll
+    for (int k = 0; k < HC_N; ++k) cm[j][k] = comb[(tok * HC_N + j) * HC_N + k];
+  }
+  float xs[HC_N][8];
+#pragma unroll
+  for (int j = 0; j < HC_N; ++j) {
+    const uint4 xv = *reinterpret_cast<const uint4*>(x + ((i64)tok * HC_N + j) * D + d);
+    const u32 xw[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) xs[j][i] = bf16_to_f32(i & 1 ? xw[i >> 1] >> 16 : xw[i >> 1] & 0xffff);
+  }
+#pragma unroll
+  for (int k = 0; k < HC_N; ++k) {
+    float r[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      double mixed = 0.0;
+#pragma unroll
+      for (int j = 0; j < HC_N; ++j) mixed += (double)cm[j][k] * (double)xs[j][i];
+      r[i] = __fadd_rn(__fmul_rn(pk[k], o[i]), (float)mixed);
+    }
+    *reinterpret_cast<uint4*>(y + ((i64)tok * HC_N + k) * D + d) =
+        make_uint4(bf16x2(r[0], r[1]), bf16x2(r[2], r[3]), bf16x2(r[4], r[5]), bf16x2(r[6], r[7]));
+  }
+}
