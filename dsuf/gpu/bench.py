@@ -316,7 +316,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(with --model --prefill: of one prompt chunk) (torch.profiler)")
     p.add_argument("--config", help="a config.json to take the shapes from (default: V4-Flash's, built in)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefill", type=int, default=0, metavar="TOKENS", help="with --model: also time one prompt of this many tokens per context")
+    p.add_argument("--prefill", type=int, nargs="*", default=[], metavar="TOKENS",
+                   help="with --model: also time one prompt of each size (at the smallest context that holds it)")
     p.add_argument("--tp", type=int, default=1, help="with --model: tensor-parallel over this many GPUs (one process each)")
     p.add_argument("--collective", choices=("ipc", "nccl"), default="ipc", help="with --tp: the all-reduce and all-gather (default ipc)")
 
@@ -360,12 +361,12 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
             rows_out.append((batch, ctx, step_us, nbytes, floor, coll))
             say(f"  batch {batch}, context {ctx}: {step_us:.1f} µs a step = {batch * 1e6 / step_us:.0f} tokens/s "
                 f"({nbytes / 1e6:.0f} MB a GPU, floor {floor:.1f} µs, {step_us / floor:.1f}x; collectives {coll:.0f} µs)", flush=True)
-        if args.prefill and args.prefill <= ctx:
-            seconds = prefill_seconds(model, args.prefill, c.vocab_size)
-            if args.profile and ctx == args.context[0]:
+        for n_tokens in prompts_for(args.prefill, args.context, ctx):
+            seconds = prefill_seconds(model, n_tokens, c.vocab_size)
+            if args.profile and not prefills:
                 profile_chunk(model, c.vocab_size, show=rank == 0)
-            prefills.append((args.prefill, ctx, seconds))
-            say(f"  prefill of a {args.prefill}-token prompt (context {ctx}): {seconds:.2f} s = {args.prefill / seconds:.0f} tokens/s", flush=True)
+            prefills.append((n_tokens, ctx, seconds))
+            say(f"  prefill of a {n_tokens}-token prompt (context {ctx}): {seconds:.2f} s = {n_tokens / seconds:.0f} tokens/s", flush=True)
         del model
         torch.cuda.empty_cache()
     say(f"\n### dsuf bench --model{f' --tp {world}' if tp else ''}: embedding + {n} V4-Flash layers + head, one CUDA graph per step "
@@ -381,6 +382,11 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
         for n_tokens, ctx, seconds in prefills:
             say(f"| {n_tokens} | {ctx} | {seconds:.2f} | {n_tokens / seconds:.0f} |")
     return 0
+
+
+def prompts_for(sizes: list[int], contexts: list[int], ctx: int) -> list[int]:
+    """The prompt sizes timed at context ctx: each at the smallest context that holds it."""
+    return [n for n in sizes if min((c for c in contexts if c >= n), default=None) == ctx]
 
 
 def profile_chunk(model, vocab: int, show: bool) -> None:
