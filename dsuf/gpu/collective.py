@@ -134,12 +134,12 @@ class IpcCollective:
             driver.cuMemFree(p)
         self._opened, self._own = [], []
 
-    def _launch(self, name: str, x: torch.Tensor, out: torch.Tensor, n: int, rows: int, **expand) -> None:
-        if x.device != self.device or not x.is_contiguous():
+    def _launch(self, name: str, inp: torch.Tensor, out: torch.Tensor, n: int, rows: int, **expand: int) -> None:
+        if inp.device != self.device or not inp.is_contiguous():
             raise ValueError(f"{name}: need a contiguous tensor on {self.device}")
-        if x.numel() * x.element_size() > self.slot_bytes:
-            raise ValueError(f"{name}: {x.numel() * x.element_size()} bytes exceed the staging slot of {self.slot_bytes}")
-        p = _CollParams(self._peers, x.data_ptr(), out.data_ptr(), n, rows, **expand)
+        if inp.numel() * inp.element_size() > self.slot_bytes:
+            raise ValueError(f"{name}: {inp.numel() * inp.element_size()} bytes exceed the staging slot of {self.slot_bytes}")
+        p = _CollParams(self._peers, inp.data_ptr(), out.data_ptr(), n, rows, **expand)
         get_kernel("collective", name, self.device)((CTAS, 1, 1), THREADS, [p])
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
