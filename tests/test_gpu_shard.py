@@ -4,6 +4,8 @@ its parts straight from a checkpoint in the released layout, and which splits ar
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,7 +15,10 @@ from dsuf.model.checkpoint import load_tensors
 from dsuf.model.config import parse_config
 from dsuf.model.tiny import make_tiny
 
-TINY = {"moe_intermediate_size": 256}  # the tiny model, with an expert width two ranks can split on FP8 blocks
+# The tiny model with widths that 2, 4 and 8 ranks can split on FP8 blocks of 128: experts of
+# 1024, eight heads of 128, eight output groups of 128.
+TINY = {"moe_intermediate_size": 1024, "num_attention_heads": 8, "o_groups": 8}
+WORLDS = (2, 4, 8)
 
 
 @pytest.mark.parametrize(
@@ -47,11 +52,17 @@ def raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-def test_two_ranks_read_their_parts_of_a_checkpoint_and_together_hold_it_all(tiny):
+@pytest.fixture(scope="module")
+def whole(tiny):
     folder, c = tiny
-    tp.check_tp(c, 2)
-    whole = load_tensors(folder, c, rule=tp.shard_rule)
-    ranks = [load_tensors(folder, c, rank=r, world=2, rule=tp.shard_rule) for r in range(2)]
+    return load_tensors(folder, c, rule=tp.shard_rule)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ranks_read_their_parts_of_a_checkpoint_and_together_hold_it_all(tiny, whole, world):
+    folder, c = tiny
+    tp.check_tp(c, world)
+    ranks = [load_tensors(folder, c, rank=r, world=world, rule=tp.shard_rule) for r in range(world)]
     assert all(set(r) == set(whole) for r in ranks)  # every expert on every rank (a slice of each)
     split = 0
     for name, full in whole.items():
@@ -61,17 +72,17 @@ def test_two_ranks_read_their_parts_of_a_checkpoint_and_together_hold_it_all(tin
             continue
         split += 1
         parts = [raw(r[name]) for r in ranks]
-        assert parts[0].shape[dim] * 2 == full.shape[dim] and torch.equal(torch.cat(parts, dim), raw(full)), name
+        assert all(p.shape[dim] * world == full.shape[dim] for p in parts) and torch.equal(torch.cat(parts, dim), raw(full)), name
     assert split > 8 * c.n_layers  # experts' w1/w2/w3 and scales in every layer, and more
 
 
-def test_the_plan_on_tensors_in_memory_matches_the_plan_on_the_checkpoint(tiny):
+@pytest.mark.parametrize("world", WORLDS)
+def test_the_plan_on_tensors_in_memory_matches_the_plan_on_the_checkpoint(tiny, whole, world):
     """tp.shard (random weights, made whole then split) takes the same parts as the loader."""
     folder, c = tiny
-    whole = load_tensors(folder, c, rule=tp.shard_rule)
-    for r in range(2):
-        mine = tp.shard(dict(whole), r, 2)
-        read = load_tensors(folder, c, rank=r, world=2, rule=tp.shard_rule)
+    for r in range(world):
+        mine = tp.shard(dict(whole), r, world)
+        read = load_tensors(folder, c, rank=r, world=world, rule=tp.shard_rule)
         assert all(torch.equal(raw(mine[n]), raw(read[n])) for n in read)
 
 
@@ -83,8 +94,9 @@ def test_v4_flash_splits_over_2_4_and_8_gpus_and_other_counts_are_refused(tiny):
         with pytest.raises(ValueError, match="the ranks must be 1, 2, 4 or 8"):
             tp.check_tp(c, world)
     _, small = tiny
+    narrow = dataclasses.replace(small, moe_inter_dim=256, o_groups=2)
     with pytest.raises(ValueError, match=r"moe_inter_dim 256 \(needs a multiple of 512\).*wo_a rows"):
-        tp.check_tp(small, 4)  # its FP8 blocks cannot split four ways
+        tp.check_tp(narrow, 4)  # its FP8 blocks cannot split four ways
 
 
 def test_collectives_stage_the_largest_message_of_a_step():
