@@ -104,6 +104,16 @@ DSUF_DEVICE void stage_in(const Peers& P, u32 epoch, const uint4* in, i64 lo, i6
   for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) mine[i] = in[i];
 }
 
+// Steps 1 and 2 of a call whose input is `vecs` 16-byte vectors: this CTA's share [lo, hi) staged,
+// the ranks met. Returns the call's epoch.
+DSUF_DEVICE u32 stage_and_meet(const Peers& P, const void* in, i64 vecs, i64& lo, i64& hi) {
+  const u32 epoch = begin_call(P);
+  share(vecs, lo, hi);
+  stage_in(P, epoch, reinterpret_cast<const uint4*>(in), lo, hi);
+  meet(P, epoch);
+  return epoch;
+}
+
 DSUF_DEVICE const u8* slot_of(const Peers& P, int r, u32 epoch) { return P.staging[r] + (epoch & 1) * P.slot_bytes; }
 
 // The rank-ordered float32 sum of vector i (8 bf16) of every rank's staged input, each element
@@ -133,11 +143,8 @@ DSUF_DEVICE void sum8(const Peers& P, u32 epoch, i64 i, uint4* out, float o[8]) 
 extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_bf16(CollParams p) {
   pdl_begin();
   const Peers& P = p.peers;
-  const u32 epoch = begin_call(P);
   i64 lo, hi;
-  share(p.n / 8, lo, hi);
-  stage_in(P, epoch, reinterpret_cast<const uint4*>(p.in), lo, hi);
-  meet(P, epoch);
+  const u32 epoch = stage_and_meet(P, p.in, p.n / 8, lo, hi);
   float o[8];
   for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) sum8(P, epoch, i, reinterpret_cast<uint4*>(p.out), o);
   end_call(P, epoch);
@@ -148,11 +155,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_bf16(CollParams
 extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_expand_bf16(CollParams p) {
   pdl_begin();
   const Peers& P = p.peers;
-  const u32 epoch = begin_call(P);
   i64 lo, hi;
-  share(p.n / 8, lo, hi);
-  stage_in(P, epoch, reinterpret_cast<const uint4*>(p.in), lo, hi);
-  meet(P, epoch);
+  const u32 epoch = stage_and_meet(P, p.in, p.n / 8, lo, hi);
   float o[8];
   for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) {
     sum8(P, epoch, i, reinterpret_cast<uint4*>(p.out), o);
@@ -166,12 +170,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_expand_bf16(Col
 extern "C" __global__ void __launch_bounds__(THREADS) all_gather_f32(CollParams p) {
   pdl_begin();
   const Peers& P = p.peers;
-  const u32 epoch = begin_call(P);
   const i64 vecs = p.n / 4;  // 16-byte vectors per row a rank gives
   i64 lo, hi;
-  share(p.rows * vecs, lo, hi);
-  stage_in(P, epoch, reinterpret_cast<const uint4*>(p.in), lo, hi);
-  meet(P, epoch);
+  const u32 epoch = stage_and_meet(P, p.in, p.rows * vecs, lo, hi);
   uint4* out = reinterpret_cast<uint4*>(p.out);
   for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) {
     const i64 row = i / vecs, j = i % vecs;
