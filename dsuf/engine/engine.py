@@ -53,7 +53,6 @@ class WorkerGone(Exception):
 class WorkerProcess:
     """One worker: its rings (to it, from it), their doorbells, and the process."""
 
-    rank: int
     rings: tuple[Ring, Ring]
     bells: tuple[Doorbell, Doorbell]
     to: Channel = field(init=False)
@@ -65,8 +64,8 @@ class WorkerProcess:
         self.back = Channel(self.rings[1], self.bells[1], FromWorker)
 
     @staticmethod
-    def create(rank: int) -> WorkerProcess:
-        return WorkerProcess(rank, (Ring.create(), Ring.create()), (Doorbell.create(), Doorbell.create()))
+    def create() -> WorkerProcess:
+        return WorkerProcess((Ring.create(), Ring.create()), (Doorbell.create(), Doorbell.create()))
 
     def ring_args(self) -> list[str]:
         return ["--inbox", self.rings[0].name, "--inbox-fd", str(self.bells[0].fd), "--outbox", self.rings[1].name, "--outbox-fd", str(self.bells[1].fd)]
@@ -110,7 +109,7 @@ class Engine:
         ranks = len(cfg.gpus) or 1
         rendezvous = f"tcp://127.0.0.1:{free_port()}" if ranks > 1 else None
         for rank in range(ranks):
-            w = WorkerProcess.create(rank)
+            w = WorkerProcess.create()
             self.workers.append(w)
             w.back.attach_to_loop(loop, lambda messages, rank=rank: self._on_messages(rank, messages))
             cmd = [sys.executable, "-m", "dsuf.worker.main", "--numerics", cfg.numerics, *w.ring_args()]
