@@ -86,7 +86,7 @@ class GpuModel:
         check_tp(c, tp.world if tp else 1)
         if max_context % 128 or max_context < 128:
             raise ValueError(f"max_context must be a positive multiple of 128, got {max_context}")
-        self.config, self.device, self.max_context, self.graphs, self.tp = c, device, max_context, graphs, tp
+        self.config, self.device, self.max_batch, self.max_context, self.graphs, self.tp = c, device, max_batch, max_context, graphs, tp
         source = taking_from(tensors) if isinstance(tensors, dict) else tensors
 
         def take(layer: int | None) -> dict[str, torch.Tensor]:
@@ -125,7 +125,7 @@ class GpuModel:
 
     def new_state(self, num: Numerics | None = None) -> GpuSequence:
         if not self.free_slots:
-            raise RuntimeError(f"all {len(self.caches[0].pool) // self.caches[0].stride - 1} sequence slots of this worker are taken")
+            raise RuntimeError(f"all {self.max_batch} sequence slots of this worker are taken")
         seq = GpuSequence(self.free_slots.pop())
         for cache in self.caches:
             cache.reset(seq.slot)
