@@ -2,15 +2,21 @@
 // r = float(1 / sqrt(mean + eps)), y = bf16(w * (x * r)) in float32; w may be absent (the V4
 // per-head q norm). hc_collapse_rmsnorm first collapses the mHC streams, y = sum_i pre_i X_i in
 // float64 rounded to float32 then bf16 (layers.hc_collapse), and normalises that: the pair that
-// precedes every attention and MoE block. One CTA of 256 threads per row, 8 elements a thread
-// per pass, D % 8 == 0 and D <= 8192.
+// precedes every attention and MoE block. rmsnorm_rope_bf16 then rotates the last 64 dims of
+// each row as rope.cu does (GPT-J pairs, products and sums rounded, on the bf16 output): the
+// per-head q norm and the kv norm, each followed by RoPE. One CTA of 256 threads per row, 8
+// elements a thread per pass, D % 8 == 0 and D <= 8192.
 #include "common.cuh"
 
 #define VPT 4  // 16-byte vectors per thread: D <= 256 * 8 * VPT
 
+#define ROPE_PAIRS 32
+
+// cos_t / sin_t [positions, 32] or null (no rotation); row r is at position r / per_pos.
 template <bool COLLAPSE>
 DSUF_DEVICE void rmsnorm_row(const u16* __restrict__ x, const float* __restrict__ pre, int n,
-                             const float* __restrict__ w, u16* __restrict__ out, int D, float eps) {
+                             const float* __restrict__ w, u16* __restrict__ out, int D, float eps,
+                             const float* __restrict__ cos_t = nullptr, const float* __restrict__ sin_t = nullptr, int per_pos = 1) {
   __shared__ double partial[8];
   const int row = blockIdx.x;
   float y[VPT][8];
@@ -65,6 +71,13 @@ DSUF_DEVICE void rmsnorm_row(const u16* __restrict__ x, const float* __restrict_
         a = w[d + 2 * k] * a;
         b = w[d + 2 * k + 1] * b;
       }
+      const int pair = (d + 2 * k - (D - 2 * ROPE_PAIRS)) / 2;
+      if (cos_t && pair >= 0) {
+        const float x0 = bf16_to_f32(f32_to_bf16(a)), x1 = bf16_to_f32(f32_to_bf16(b));
+        const float c = cos_t[(row / per_pos) * ROPE_PAIRS + pair], sn = sin_t[(row / per_pos) * ROPE_PAIRS + pair];
+        a = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+        b = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+      }
       o[k] = f32_to_bf16(a) | ((u32)f32_to_bf16(b) << 16);
     }
     *reinterpret_cast<uint4*>(out + (i64)row * D + d) = make_uint4(o[0], o[1], o[2], o[3]);
@@ -76,6 +89,14 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_bf16(
     const u16* x, const float* w, u16* out, int D, float eps) {
   pdl_begin();
   rmsnorm_row<false>(x, nullptr, 1, w, out, D, eps);
+}
+
+// x [rows, D] bf16, w [D] float32 or null -> out [rows, D] bf16, its last 64 dims rotated by
+// cos / sin float32 [rows / per_pos, 32].
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_rope_bf16(
+    const u16* x, const float* w, u16* out, int D, float eps, const float* cos_t, const float* sin_t, int per_pos) {
+  pdl_begin();
+  rmsnorm_row<false>(x, nullptr, 1, w, out, D, eps, cos_t, sin_t, per_pos);
 }
 
 // X [rows, n, D] bf16 streams, pre [rows, n] float32, w [D] float32 -> out [rows, D] bf16.

@@ -256,10 +256,8 @@ class DecodeLayer:
             xq, sx = act_quant(b[f"{L}.y"])
             qr = rms_norm(self.wq_a.forward_quantized(xq, sx), self.q_norm, c.norm_eps)
             b[f"{L}.qr_q"] = act_quant(qr)
-            q = rms_norm(self.wq_b.forward_quantized(*b[f"{L}.qr_q"]).view(rows, heads, hd), None, c.norm_eps)
-            b[f"{L}.q"] = rope_(q, ix.cos, ix.sin)
-            kv = rms_norm(self.wkv.forward_quantized(xq, sx), self.kv_norm, c.norm_eps)
-            rope_(kv.view(rows, 1, hd), ix.cos, ix.sin)
+            b[f"{L}.q"] = rms_norm(self.wq_b.forward_quantized(*b[f"{L}.qr_q"]).view(rows, heads, hd), None, c.norm_eps, rope=(ix.cos, ix.sin))
+            kv = rms_norm(self.wkv.forward_quantized(xq, sx), self.kv_norm, c.norm_eps, rope=(ix.cos, ix.sin))
             pack_kv(kv, cache.pool, ix.window_slot)
 
         def compress(b: dict) -> None:

@@ -25,8 +25,10 @@ def _weight(weight: torch.Tensor | None, d: int) -> torch.Tensor | None:
     return weight.float().contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """bf16 [..., D] normalised over the last dim, times weight (float32 [D]) if given."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """bf16 [..., D] normalised over the last dim, times weight (float32 [D]) if given. With
+    rope = (cos, sin) float32 [P, 32] (x [P, ...]: P positions), the last 64 dims of every row are
+    then rotated as rope.rope_ would (in the same launch)."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"rms_norm: expected bfloat16, got {x.dtype}")
     d = x.shape[-1]
@@ -34,10 +36,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     x = x.contiguous()
     out = torch.empty_like(x)
     rows = x.numel() // d
-    if rows:
-        get_kernel("rmsnorm", "rmsnorm_bf16", x.device)(
-            (rows, 1, 1), 256, [ptr(x), ptr(_weight(weight, d)), ptr(out), ctypes.c_int(d), ctypes.c_float(eps)]
-        )
+    if not rows:
+        return out
+    args = [ptr(x), ptr(_weight(weight, d)), ptr(out), ctypes.c_int(d), ctypes.c_float(eps)]
+    if rope is None:
+        get_kernel("rmsnorm", "rmsnorm_bf16", x.device)((rows, 1, 1), 256, args)
+        return out
+    cos, sin = (t.float().contiguous() for t in rope)
+    positions = x.shape[0]
+    if d < 64 or tuple(cos.shape) != (positions, 32) or tuple(sin.shape) != (positions, 32):
+        raise ValueError(f"rms_norm: rope needs cos / sin [{positions}, 32] and D >= 64, got {tuple(cos.shape)}, D={d}")
+    get_kernel("rmsnorm", "rmsnorm_rope_bf16", x.device)((rows, 1, 1), 256, args + [ptr(cos), ptr(sin), ctypes.c_int(rows // positions)])
     return out
 
 

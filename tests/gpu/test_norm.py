@@ -49,3 +49,21 @@ def test_hc_collapse_rms_norm(cuda, tokens):
     rel, worst = compare(f"hc_collapse + rms_norm [{tokens}, 4, 4096]", out, ref)
     assert worst <= 1.0 and rel < 1e-4
     assert (out == ref).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("shape, weighted", [((8, 32, 512), False), ((8, 64, 512), False), ((1, 512), True), ((8, 512), True)])
+def test_rms_norm_with_rope_is_the_norm_then_the_rotation(cuda, shape, weighted):
+    """The per-head q norm and the kv norm, each with its RoPE in the same launch: bit for bit
+    what rms_norm then rope_ give (rows of one position share its cos / sin)."""
+    from dsuf.gpu.rope import rope_
+    from dsuf.model.layers import Rope
+
+    positions = shape[0]
+    x = (torch.randn(shape, device=cuda) * torch.exp(torch.randn(*shape[:-1], 1, device=cuda))).to(torch.bfloat16)
+    w = norm_weight(shape[-1], cuda) if weighted else None
+    rope = Rope(64, 10000.0)
+    rope.freqs = rope.freqs.to(cuda)
+    cos, sin = rope.cos_sin(torch.randint(0, 1 << 16, (positions,), device=cuda))
+    fused = rms_norm(x, w, EPS, rope=(cos, sin))
+    apart = rope_(rms_norm(x, w, EPS).view(positions, -1, shape[-1]), cos, sin).view(shape)
+    assert torch.equal(fused, apart)
