@@ -86,19 +86,16 @@ class IpcCollective:
             raise ValueError(f"IpcCollective: at most {MAX_RANKS} ranks, got {self.world}")
         self.device, self.slot_bytes = device, -(-slot_bytes // 16) * 16
         torch.zeros(1, device=device)  # the primary context, current on this thread
-        self._own = [self._alloc(2 * self.slot_bytes), self._alloc(FLAG_BYTES)]
-        (err,) = driver.cuMemsetD32(self._own[1], 0, FLAG_BYTES // 4)
+        # Held for the process's life: the driver frees them, and unmaps the peers', at exit.
+        own = [self._alloc(2 * self.slot_bytes), self._alloc(FLAG_BYTES)]
+        (err,) = driver.cuMemsetD32(own[1], 0, FLAG_BYTES // 4)
         _check(err, "cuMemsetD32")
         self.epoch = torch.zeros(CTAS, dtype=torch.int32, device=device)
-        handles = [self._handle(p) for p in self._own]
         everyone: list[list[bytes] | None] = [None] * self.world
-        dist.all_gather_object(everyone, handles, group=group)
-        self._opened = []
+        dist.all_gather_object(everyone, [self._handle(p) for p in own], group=group)
         peers = _Peers()
         for r, theirs in enumerate(everyone):
-            ptrs = self._own if r == self.rank else [self._open(h) for h in theirs]
-            if r != self.rank:
-                self._opened += ptrs
+            ptrs = own if r == self.rank else [self._open(h) for h in theirs]
             peers.staging[r], peers.flags[r] = int(ptrs[0]), int(ptrs[1])
         peers.epoch, peers.slot_bytes, peers.rank, peers.world = self.epoch.data_ptr(), self.slot_bytes, self.rank, self.world
         self._peers = peers
@@ -125,14 +122,6 @@ class IpcCollective:
         err, p = driver.cuIpcOpenMemHandle(h, driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
         _check(err, "cuIpcOpenMemHandle")
         return p
-
-    def close(self) -> None:
-        driver = _driver()
-        for p in self._opened:
-            driver.cuIpcCloseMemHandle(p)
-        for p in self._own:
-            driver.cuMemFree(p)
-        self._opened, self._own = [], []
 
     def _launch(self, name: str, inp: torch.Tensor, out: torch.Tensor, n: int, rows: int, **expand: int) -> None:
         if inp.device != self.device or not inp.is_contiguous():

@@ -104,12 +104,10 @@ class TensorParallel:
     def kernels_ready(self, device: torch.device) -> None:
         """Compile (or find cached) every kernel for the device, then wait for all ranks: a rank
         compiling while a peer waits in a collective could outlast the collective's timeout."""
-        from .build import KernelCache, load_sources
+        from .build import build_all
         from .runtime import device_arch
 
-        cache, arch = KernelCache(), device_arch(device)
-        for source in load_sources():
-            cache.get(source, arch)
+        build_all((device_arch(device),))
         dist.barrier()
 
 
