@@ -25,6 +25,8 @@ EMBEDDED_NAME = "dsuf-tiny-v4"
 EMBEDDED_SEED = 0
 EMBEDDED_MAX_MODEL_LEN = 1024  # a random model rarely says EOS: keep its answers short
 GPU_DEFAULT_CONTEXT = 65536
+CPU_PREFILL_CHUNK = 256  # prompt tokens a step, CPU reference path
+GPU_PREFILL_CHUNK = 8192  # a step's prompt tokens on the GPU path: one large prefill chunk (dsuf.gpu.model)
 # The tokens that end a part of a turn (where conversation snapshots are taken); the first one
 # opens the answer.
 TURN_TOKENS = ("<｜Assistant｜>", "<think>", "</think>", "<｜end▁of▁sentence｜>")
@@ -77,7 +79,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt("max-batch", 64, "most sequences decoded together", int)
     opt("max-waiting", 256, "most requests queued before answering 429", int)
     opt("max-model-len", 0, "context limit in tokens; default: the model's (1024 for the embedded tiny model, at most 65536 on the GPU path)", int)
-    opt("prefill-chunk", 256, "prompt tokens prefilled per step", int)
+    opt("prefill-chunk", 0, "prompt tokens prefilled per step; default 256 on the CPU path, 8192 on the GPU path (prompts of "
+        "512 tokens or more run there as large chunks on the tensor cores, stalling other sequences' decoding meanwhile)", int)
     opt("numerics", "reference", "reference or exact")
     opt("grace", 30.0, "seconds SIGTERM waits for running requests", float)
     opt("kv-host-bytes", 2 << 30, "host memory for conversation caches (shared memory; 0 turns caching off)", int)
@@ -141,7 +144,7 @@ async def serve(args: argparse.Namespace) -> int:
     cache = conversation_cache(args, chat, config.name, revision)
     arena = cache.store.arena if cache else None
     engine = Engine(EngineConfig(
-        where, args.numerics, args.max_batch, args.max_waiting, args.prefill_chunk,
+        where, args.numerics, args.max_batch, args.max_waiting, args.prefill_chunk or (GPU_PREFILL_CHUNK if gpus else CPU_PREFILL_CHUNK),
         arena=arena.name if arena else None, revision=cache.revision if cache else "",
         gpus=tuple(gpus), random_weights=args.random_weights, max_context=-(-max_len // 128) * 128,
     ))

@@ -1,23 +1,56 @@
 // Per-row, per-128 FP8 activation quantisation (DeepSeek's act_quant, the reference's
 // quant.act_quant_fp8): x bf16 [M, K] -> xq e4m3 [M, K] and sx float32 [M, K/128], with
 // x ~= xq * sx. One warp per 128-element block; each lane owns 4 consecutive elements.
+// act_fake_quant_bf16 writes the quantised values themselves, xq * sx, as bf16 (exact): the
+// input of the prefill path's bf16 GEMMs.
 #include "common.cuh"
+
+struct Block {
+  uint2 raw;  // the lane's 4 bf16 inputs
+  i64 at;     // their offset
+  int index;  // the block's index, row * (K / 128) + kb
+};
+
+// The lane's share of its warp's block; false for warps past the end.
+DSUF_DEVICE bool load_block(const u16* x, int rows, int K, Block& b) {
+  const int lane = threadIdx.x & 31;
+  const int kb_count = K >> 7;
+  b.index = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (b.index >= rows * kb_count) return false;
+  const int row = b.index / kb_count, kb = b.index - row * kb_count;
+  b.at = (i64)row * K + kb * 128 + lane * 4;
+  b.raw = *reinterpret_cast<const uint2*>(x + b.at);
+  return true;
+}
+
+// The block's scale exponent and the lane's 4 values as e4m3 bytes.
+DSUF_DEVICE u32 quant_block(const Block& b, int& e) {
+  const float v0 = bf16_to_f32(b.raw.x & 0xffff), v1 = bf16_to_f32(b.raw.x >> 16);
+  const float v2 = bf16_to_f32(b.raw.y & 0xffff), v3 = bf16_to_f32(b.raw.y >> 16);
+  const float amax = warp_max(fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3))));
+  e = act_scale_exponent(amax);
+  return quant4_e4m3(v0, v1, v2, v3, e);
+}
 
 extern "C" __global__ void __launch_bounds__(256) act_quant_bf16(
     const u16* __restrict__ x, u8* __restrict__ xq, float* __restrict__ sx, int rows, int K) {
   pdl_begin();
-  const int lane = threadIdx.x & 31;
-  const int kb_count = K >> 7;
-  const int block = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  if (block >= rows * kb_count) return;
-  const int row = block / kb_count, kb = block - row * kb_count;
-  const i64 at = (i64)row * K + kb * 128 + lane * 4;
+  Block b;
+  if (!load_block(x, rows, K, b)) return;
+  int e;
+  *reinterpret_cast<u32*>(xq + b.at) = quant_block(b, e);
+  if ((threadIdx.x & 31) == 0) sx[b.index] = pow2f(e);
+}
 
-  const uint2 raw = *reinterpret_cast<const uint2*>(x + at);
-  const float v0 = bf16_to_f32(raw.x & 0xffff), v1 = bf16_to_f32(raw.x >> 16);
-  const float v2 = bf16_to_f32(raw.y & 0xffff), v3 = bf16_to_f32(raw.y >> 16);
-  const float amax = warp_max(fmaxf(fmaxf(fabsf(v0), fabsf(v1)), fmaxf(fabsf(v2), fabsf(v3))));
-  const int e = act_scale_exponent(amax);
-  *reinterpret_cast<u32*>(xq + at) = quant4_e4m3(v0, v1, v2, v3, e);
-  if (lane == 0) sx[(i64)row * kb_count + kb] = pow2f(e);
+extern "C" __global__ void __launch_bounds__(256) act_fake_quant_bf16(const u16* __restrict__ x, u16* __restrict__ out, int rows, int K) {
+  pdl_begin();
+  Block b;
+  if (!load_block(x, rows, K, b)) return;
+  int e;
+  const u32 q = quant_block(b, e);
+  const float scale = pow2f(e);
+  float v[4];
+  e4m3x2_to_f32x2(q, v[0], v[1]);
+  e4m3x2_to_f32x2(q >> 16, v[2], v[3]);
+  *reinterpret_cast<uint2*>(out + b.at) = make_uint2(bf16x2(v[0] * scale, v[1] * scale), bf16x2(v[2] * scale, v[3] * scale));
 }

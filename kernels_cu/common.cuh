@@ -140,4 +140,10 @@ DSUF_DEVICE void e4m3x2_to_f32x2(u32 v, float& lo, float& hi) {
       : "r"(h2));
 }
 
+// silu in float64, rounded to float32 (the reference's f64(F.silu, gate)).
+DSUF_DEVICE float silu_f64(float g) {
+  const double x = g;
+  return (float)(x / (1.0 + exp(-x)));
+}
+
 DSUF_DEVICE u32 bf16x2(float lo, float hi) { return f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16); }

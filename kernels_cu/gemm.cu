@@ -271,11 +271,6 @@ DSUF_DEVICE void fp4_main(const GemmParams& p, const u8* w, const u8* ws, int ro
   }
 }
 
-DSUF_DEVICE float silu_f64(float g) {
-  const double x = g;
-  return (float)(x / (1.0 + exp(-x)));
-}
-
 DSUF_DEVICE int pair_at(const GemmParams& p, int i) { return p.order ? p.order[i] : i; }
 
 // FP4U: chunks a pipeline stage of the FP4 path (unused for FP8).

@@ -3,7 +3,8 @@
 rules (`dsuf.model.v4`): window attention sees the last W positions, compressed entry j exists
 once its group is complete and is visible to query i iff j < (i + 1) // ratio. A step may hold a
 prompt chunk (rows of one sequence at consecutive positions): no row's write may land where an
-earlier row of the chunk still reads."""
+earlier row of the chunk still reads. A longer prefill chunk keeps its KV in scratch entries after
+the slots and hands its last W positions to the ring afterwards."""
 
 from __future__ import annotations
 
@@ -21,9 +22,13 @@ SLOTS = 5
 POSITIONS = [0, 1, 3, 4, 126, 127, 128, 129, 511, 512, 1000, CONTEXT - 1]
 
 
-def index_of(ratio: int, slots: list[int], positions: list[int]):
-    cache = LayerCache.new(C, ratio, SLOTS, CONTEXT, torch.device("cpu"))
-    ix = step_index(C, ratio, cache.n_max, layer_rope(C, ratio, torch.device("cpu")), torch.tensor(slots), torch.tensor(positions))
+SCRATCH = 2048
+
+
+def index_of(ratio: int, slots: list[int], positions: list[int], chunk: bool = False):
+    cache = LayerCache.new(C, ratio, SLOTS, CONTEXT, torch.device("cpu"), scratch=SCRATCH)
+    scratch = (SLOTS * cache.stride, positions[0]) if chunk else None
+    ix = step_index(C, ratio, cache.n_max, layer_rope(C, ratio, torch.device("cpu")), torch.tensor(slots), torch.tensor(positions), scratch)
     return cache, ix
 
 
@@ -31,7 +36,7 @@ def test_each_slot_owns_its_ring_then_its_compressed_entries() -> None:
     assert RING == W + PREFILL_CHUNK
     for ratio, n_max in ((0, 0), (4, CONTEXT // 4), (128, CONTEXT // 128)):
         cache, _ = index_of(ratio, [0], [0])
-        assert cache.stride == RING + n_max and cache.pool.shape[0] == SLOTS * (RING + n_max)
+        assert cache.stride == RING + n_max and cache.pool.shape[0] == SLOTS * (RING + n_max) + SCRATCH
         if ratio == 4:
             assert cache.keys.shape[0] == SLOTS * n_max and cache.idx_kv.shape[0] == SLOTS
 
@@ -100,3 +105,37 @@ def test_the_exported_window_is_the_references_ring() -> None:
         rows, entries = cache.window(C, 2, pos)
         seen = list(range(max(0, pos - W), pos))
         assert rows.tolist() == [p % W for p in seen] and entries.tolist() == [2 * cache.stride + p % RING for p in seen]
+
+
+def test_a_prefill_chunk_keeps_its_kv_in_the_scratch_and_hands_the_last_w_to_the_ring() -> None:
+    """A prefill chunk (longer than the ring) writes row i's KV to scratch entry i; a row reads the
+    window positions inside the chunk from the scratch and those before it from the ring; after
+    attention the chunk's last W positions are copied to their ring entries."""
+    slot = 3
+    for start, rows in ((0, 1500), (700, 2048), (5, 60)):
+        positions = list(range(start, start + rows))
+        cache, ix = index_of(0, [slot] * rows, positions, chunk=True)
+        scratch, base = SLOTS * cache.stride, slot * cache.stride
+        assert ix.window_slot.tolist() == [scratch + i for i in range(rows)]
+        assert ix.chunk_start == start
+        for row in (0, 1, rows // 2, rows - 1):
+            pos = positions[row]
+            picked = sorted(int(e) for e in ix.attn_idx[row] if e >= 0)
+            seen = range(max(0, pos - W + 1), pos + 1)
+            assert picked == sorted(scratch + p - start if p >= start else base + p % RING for p in seen), f"row {row} of a chunk at {start}"
+        src, dst = ix.ring_copy
+        last = positions[-W:]
+        assert src.tolist() == [scratch + p - start for p in last] and dst.tolist() == [base + p % RING for p in last]
+
+
+def test_a_prefill_chunk_sees_no_further_than_its_last_row() -> None:
+    """Known on the host for a chunk: HCA rows list only the entries the last row can see, CSA
+    scores are bounded by the keys the last row sees."""
+    start, rows = 1000, 1200
+    positions = list(range(start, start + rows))
+    _, hca = index_of(128, [1] * rows, positions, chunk=True)
+    assert hca.attn_idx.shape[1] == W + (start + rows) // 128
+    for row in (0, rows - 1):
+        assert int((hca.attn_idx[row, W:] >= 0).sum()) == (positions[row] + 1) // 128
+    _, csa = index_of(4, [1] * rows, positions, chunk=True)
+    assert csa.max_keys == (start + rows) // 4 == int(csa.n_keys.max())

@@ -43,7 +43,7 @@ from dsuf.model.layers import Numerics
 
 from .attention import KV_ENTRY_BYTES, pack_kv, unpack_kv
 from .indexer import INDEX_ENTRY_BYTES, pack_index_keys, unpack_index_keys
-from .layer import PREFILL_CHUNK, DecodeLayer, LayerCache, Stage, layer_kind, ring_size, step_index
+from .layer import DecodeLayer, LayerCache, Stage, layer_kind, ring_size, step_index
 from .linear import BLOCK
 from .tp import TensorParallel, check_tp
 from .weights import V4_FLASH_CONFIG, layer_tensors
@@ -313,7 +313,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip the reference path")
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage timing")
     p.add_argument("--profile", action="store_true", help="also print the CUDA kernels of one eager step of the first configuration "
-                   "(with --model --prefill: of one prompt chunk) (torch.profiler)")
+                   "(with --model --prefill: of one prefill chunk) (torch.profiler)")
     p.add_argument("--config", help="a config.json to take the shapes from (default: V4-Flash's, built in)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill", type=int, nargs="*", default=[], metavar="TOKENS",
@@ -390,23 +390,23 @@ def prompts_for(sizes: list[int], contexts: list[int], ctx: int) -> list[int]:
 
 
 def profile_chunk(model, vocab: int, show: bool) -> None:
-    """The kernels of one prompt chunk, run eagerly (every rank runs it; `show` prints)."""
-    seq, model.graphs = model.new_state(), False
-    chunk = torch.randint(0, vocab, (PREFILL_CHUNK,))
+    """The kernels of one prefill chunk (every rank runs it; `show` prints)."""
+    seq = model.new_state()
+    chunk = torch.randint(0, vocab, (model.prefill_rows,))
     try:
-        profiled(lambda: model.forward_batch([(chunk, seq)]), f"one prompt chunk of {PREFILL_CHUNK} tokens (eager), rank 0", show)
+        profiled(lambda: model.forward_batch([(chunk, seq)]), f"one prefill chunk of {model.prefill_rows} tokens, rank 0", show)
     finally:
-        model.graphs = True
         model.free(seq)
 
 
 def prefill_seconds(model, n_tokens: int, vocab: int) -> float:
-    """Wall time of one prompt of n_tokens through forward_batch (the server's path: chunks of
-    PREFILL_CHUNK rows a step, CUDA graphs), after a one-chunk warm-up that captures its graph."""
+    """Wall time of one prompt of n_tokens through forward_batch (the server's path: chunks of up
+    to prefill_rows rows, or steps of PREFILL_CHUNK for a short prompt), after a warm-up prompt of
+    one chunk (kernels loaded, cuBLAS's choices for the chunk's shapes made)."""
     import time
 
     warm = model.new_state()
-    model.forward_batch([(torch.randint(0, vocab, (PREFILL_CHUNK,)), warm)])
+    model.forward_batch([(torch.randint(0, vocab, (min(n_tokens, model.prefill_rows),)), warm)])
     model.free(warm)
     seq = model.new_state()
     prompt = torch.randint(0, vocab, (n_tokens,))

@@ -111,6 +111,8 @@ def compress_decode(
             raise ValueError(f"compress_decode: {what} must be contiguous float32 [{held}, {n_state}, {channels}]")
     if state_rows is not None and (state_rows.dtype != torch.int64 or tuple(state_rows.shape) != (batch,)):
         raise ValueError(f"compress_decode: state_rows must be int64 [{batch}]")
+    if state_rows is not None:
+        state_rows = state_rows.contiguous()
     if ape.dtype != torch.float32 or tuple(ape.shape) != (ratio, channels) or norm.dtype != torch.float32:
         raise ValueError(f"compress_decode: ape must be float32 [{ratio}, {channels}], norm float32 [{width}]")
     if freqs.dtype != torch.float32 or tuple(freqs.shape) != (ROPE_PAIRS,):
@@ -150,3 +152,54 @@ def compress_decode(
     # One cluster of width / 64 CTAs per run (the cluster size is compiled into the kernel).
     clusters = runs.shape[0] - 1 if runs is not None else batch
     get_kernel("compressor", name, kv.device)((width // CHANNELS_PER_CTA, clusters, 1), threads, [params])
+
+
+def compress_chunk(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    first: int,
+    state_kv: torch.Tensor,
+    state_score: torch.Tensor,
+    slot: torch.Tensor,
+    ape: torch.Tensor,
+    norm: torch.Tensor,
+    freqs: torch.Tensor,
+    eps: float,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """compress_decode for T rows of one sequence at positions first .. first + T - 1 (a prompt
+    chunk) with its groups in parallel: the same entries and final state as the rows applied one
+    after another, in one launch whose clusters each take one group's rows.
+
+    A group's pooling needs only its own rows and, for ratio 4, the previous group's; so every
+    group gets a state of its own, as the rows before it would have left it: the first group the
+    sequence's state (int64 `slot` [1] indexes state_kv / state_score), a later one empty current
+    rows and (ratio 4) the previous group's rows with their ape added. The last group's state is
+    the sequence's afterwards. kv, score, ape, norm, freqs, eps, pool, slots: as compress_decode."""
+    rows, channels = kv.shape
+    ratio = ape.shape[0]
+    first_group, last_group = first // ratio, (first + rows - 1) // ratio
+    groups = last_group - first_group + 1
+    device = kv.device
+    states_kv = torch.zeros((groups, *state_kv.shape[1:]), dtype=torch.float32, device=device)
+    states_score = torch.full_like(states_kv, float("-inf"))
+    states_kv[0], states_score[0] = state_kv[slot][0], state_score[slot][0]
+    positions = torch.arange(first, first + rows, device=device)
+    if ratio == 4 and groups > 1:
+        # Every group's rows as the state holds them once the group is complete (score + ape);
+        # rows of the first group fed before this chunk are in the sequence's current rows.
+        offset = first - first_group * ratio
+        done_kv = torch.zeros((groups * ratio, channels), dtype=torch.float32, device=device)
+        done_score = torch.full_like(done_kv, float("-inf"))
+        done_kv[:ratio], done_score[:ratio] = states_kv[0, ratio:], states_score[0, ratio:]
+        done_kv[offset : offset + rows] = kv
+        done_score[offset : offset + rows] = score + ape[positions % ratio]
+        states_kv[1:, :ratio] = done_kv.view(groups, ratio, channels)[:-1]
+        states_score[1:, :ratio] = done_score.view(groups, ratio, channels)[:-1]
+    starts = torch.arange(first_group + 1, last_group + 1, device=device) * ratio - first  # rows that begin a group
+    runs = torch.cat((starts.new_zeros(1), starts, starts.new_full((1,), rows))).to(torch.int32)
+    compress_decode(kv, score, positions.to(torch.int32), states_kv, states_score, ape, norm, freqs, eps, pool, slots,
+                    state_rows=positions // ratio - first_group, runs=runs)
+    state_kv.index_copy_(0, slot, states_kv[-1:])
+    state_score.index_copy_(0, slot, states_score[-1:])

@@ -9,7 +9,8 @@ over HBM bandwidth:
   dequantises to) and turned into that exact bf16 weight in registers, then bf16 products with
   fp32 accumulation and a bf16 output, as the reference's grouped einsum.
 
-Up to 64 tokens go through one launch (larger batches are cut into 64-token slices). K is split
+Up to 64 tokens go through one launch (larger batches are cut into 64-token slices; prompt chunks
+of dense.DENSE_MIN_ROWS rows and more run wo_a on cuBLAS over its bf16 copy). K is split
 over the CTAs of a thread-block cluster, whose partial sums meet in distributed shared memory in a
 fixed order: results are deterministic and a launch keeps no state (no scratch, no counters), so
 any call may be captured in a CUDA graph.
@@ -21,6 +22,7 @@ import ctypes
 
 import torch
 
+from .dense import DENSE_MIN_ROWS, fp8_weight_bf16
 from .linear import BLOCK, scale_bytes, sm_count
 from .runtime import get_kernel
 
@@ -154,5 +156,9 @@ def fp8_grouped_gemv(
     w, ws = w.contiguous(), scale_bytes(scale)
     m = x.shape[0]
     out = _output(out, (m, rows), torch.bfloat16, x.device, "fp8_grouped_gemv")
+    if m >= DENSE_MIN_ROWS:  # a prompt chunk: cuBLAS over the weight's bf16 copy
+        wb = fp8_weight_bf16(w, ws).view(groups, n, k)
+        out.view(m, groups, n).copy_(torch.bmm(x.view(m, groups, k).transpose(0, 1), wb.transpose(1, 2)).transpose(0, 1))
+        return out
     _launch(FP8, w, ws, x, out, k, n, splits)
     return out

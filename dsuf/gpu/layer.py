@@ -13,6 +13,11 @@ entries and keys below (pos + 1) // ratio).
 A step may hold up to PREFILL_CHUNK rows of one sequence at consecutive positions (a prompt's
 chunk): every row's KV is written before any row attends, and the ring is longer than the window
 by a chunk, so a later row of the chunk never overwrites a position an earlier row still sees.
+
+A longer prompt chunk (GpuModel's prefill, up to `scratch` rows) writes its KV to the scratch
+entries after the slots instead, [slots·S, slots·S + scratch), attends from there (and from the
+ring for positions before the chunk), and copies its last W positions into the ring afterwards
+(`StepIndex.ring_copy`); its compressors run the chunk's groups in parallel (compress_chunk).
 """
 
 from __future__ import annotations
@@ -27,12 +32,12 @@ from dsuf.model.config import ModelConfig
 from dsuf.model.layers import Rope
 
 from .attention import new_pool, pack_kv, sparse_attention
-from .compressor import compress_decode
+from .compressor import compress_chunk, compress_decode
 from .gemv import fp8_grouped_gemv
 from .indexer import INDEX_ENTRY_BYTES, fp4_quantize, index_scores, topk_indices
 from .linear import Fp8Linear, act_quant
 from .mhc import HcSite, hc_expand
-from .moe import Fp4Experts, Fp8Expert, MoeDecode
+from .moe import Fp4Experts, Fp8Expert, Moe
 from .norm import hc_collapse_rms_norm, rms_norm
 from .rope import rope_
 from .router import Router
@@ -75,7 +80,9 @@ class LayerCache:
     ratio: int
     slots: int
     n_max: int  # compressed entries a sequence can have: max_context // ratio
-    pool: torch.Tensor  # uint8 [slots * (W + n_max), 584]
+    pool: torch.Tensor  # uint8 [slots * stride + scratch, 584]
+    stride: int  # pool entries a slot: the ring, then the compressed entries
+    scratch: int  # entries after the slots for a prefill chunk's KV
     comp_kv: torch.Tensor | None = None  # float32 [slots, coff·ratio, coff·512]
     comp_score: torch.Tensor | None = None
     keys: torch.Tensor | None = None  # uint8 [slots * n_max, 68] (CSA)
@@ -83,20 +90,16 @@ class LayerCache:
     idx_score: torch.Tensor | None = None
 
     @staticmethod
-    def new(c: ModelConfig, ratio: int, slots: int, max_context: int, device: torch.device) -> LayerCache:
+    def new(c: ModelConfig, ratio: int, slots: int, max_context: int, device: torch.device, scratch: int = 0) -> LayerCache:
         n_max = max_context // ratio if ratio else 0
-        cache = LayerCache(ratio, slots, n_max, new_pool(slots * (ring_size(c) + n_max), device))
+        stride = ring_size(c) + n_max
+        cache = LayerCache(ratio, slots, n_max, new_pool(slots * stride + scratch, device), stride, scratch)
         if ratio:
             cache.comp_kv, cache.comp_score = compressor_state(slots, ratio, c.head_dim, device)
         if ratio == 4:
             cache.keys = torch.zeros((slots * n_max, INDEX_ENTRY_BYTES), dtype=torch.uint8, device=device)
             cache.idx_kv, cache.idx_score = compressor_state(slots, 4, c.index_head_dim, device)
         return cache
-
-    @property
-    def stride(self) -> int:
-        """Pool entries per slot: the ring, then the compressed entries."""
-        return self.pool.shape[0] // self.slots
 
     def window(self, c: ModelConfig, slot: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last W positions before `pos` of the sequence in `slot`: their rows in the
@@ -127,28 +130,46 @@ class StepIndex:
     key_row: torch.Tensor | None = None  # int64 [B]: the index key a completed group goes to
     key_start: torch.Tensor | None = None  # int32 [B]
     n_keys: torch.Tensor | None = None  # int32 [B]: index keys visible to the row
+    max_keys: int | None = None  # a bound on n_keys (None: the cache's n_max)
+    chunk_start: int | None = None  # a prefill chunk's first position (its rows are one sequence's)
+    ring_copy: tuple[torch.Tensor, torch.Tensor] | None = None  # a prefill chunk's last W entries: (from, to)
 
 
-def step_index(c: ModelConfig, ratio: int, n_max: int, rope: Rope, slots: torch.Tensor, pos: torch.Tensor) -> StepIndex:
-    """slots, pos: int64 [B] on the device (pos = the position of the token each row feeds)."""
+def step_index(c: ModelConfig, ratio: int, n_max: int, rope: Rope, slots: torch.Tensor, pos: torch.Tensor,
+               chunk: tuple[int, int] | None = None) -> StepIndex:
+    """slots, pos: int64 [B] on the device (pos = the position of the token each row feeds).
+    chunk = (first scratch entry, first position): the rows are a prefill chunk of one sequence at
+    consecutive positions, whose KV goes to the scratch entries (see the module docstring)."""
     w, ring = c.window_size, ring_size(c)
     base = slots * (ring + n_max)
     seen = pos[:, None] - (w - 1) + torch.arange(w, device=pos.device)[None, :]  # the window's positions
     window = torch.where(seen >= 0, base[:, None] + seen % ring, -1)
+    write = base + pos % ring
+    ring_copy = None
+    if chunk is not None:
+        scratch, first = chunk
+        window = torch.where(seen >= first, scratch + seen - first, window)
+        write = scratch + pos - first
+        tail = pos[-w:]
+        ring_copy = ((scratch + tail - first).int(), (base[-w:] + tail % ring).int())
     cos, sin = rope.cos_sin(pos)
     if not ratio:
-        return StepIndex(pos.int(), cos, sin, (base + pos % ring).int(), window.int().contiguous())
+        return StepIndex(pos.int(), cos, sin, write.int(), window.int().contiguous(), ring_copy=ring_copy, chunk_start=chunk and chunk[1])
     visible = (pos + 1) // ratio  # entries visible once this token is in
     comp_base = base + ring
-    idx = StepIndex(pos.int(), cos, sin, (base + pos % ring).int(), window.int(), (comp_base + pos // ratio).int(), comp_base.int())
+    idx = StepIndex(pos.int(), cos, sin, write.int(), window.int(), (comp_base + pos // ratio).int(), comp_base.int(),
+                    ring_copy=ring_copy, chunk_start=chunk and chunk[1])
+    # A chunk's rows see at most the entries its last row sees (known here, unlike in a graph).
+    most = n_max if chunk is None else max(1, (chunk[1] + pos.shape[0]) // ratio)
     if ratio == 4:
         picks = torch.full((pos.shape[0], c.index_topk), -1, dtype=torch.int64, device=pos.device)  # top-k fills them
         idx.attn_idx = torch.cat((window, picks), dim=1).int()
         idx.key_start = (slots * n_max).int()
         idx.key_row = slots * n_max + pos // 4
         idx.n_keys = visible.int()
+        idx.max_keys = most
     else:
-        e = torch.arange(n_max, device=pos.device)
+        e = torch.arange(most, device=pos.device)
         comp = torch.where(e[None, :] < visible[:, None], comp_base[:, None] + e[None, :], -1)
         idx.attn_idx = torch.cat((window, comp), dim=1).int()
     return idx
@@ -215,7 +236,7 @@ class DecodeLayer:
         w1, s1, w3, s3, w2, s2 = (stacked_experts(t, f, w, k) for w in ("w1", "w3", "w2") for k in ("weight", "scale"))
         shared = [t[f"{f}.shared_experts.{w}.{k}"] for w in ("w1", "w3", "w2") for k in ("weight", "scale")]
         self.side: torch.cuda.Stream | None = None  # the compressors' stream
-        self.moe = MoeDecode(Fp4Experts.from_checkpoint(w1, s1, w3, s3, w2, s2), Fp8Expert(*shared), c.swiglu_limit)
+        self.moe = Moe(Fp4Experts.from_checkpoint(w1, s1, w3, s3, w2, s2), Fp8Expert(*shared), c.swiglu_limit)
 
     def torch_parts(self) -> list[str]:
         parts = []
@@ -261,12 +282,18 @@ class DecodeLayer:
             pack_kv(kv, cache.pool, ix.window_slot)
 
         def compress(b: dict) -> None:
+            def run(kv: torch.Tensor, score: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], ape: torch.Tensor, norm: torch.Tensor,
+                    pool: torch.Tensor, dst: torch.Tensor) -> None:
+                if ix.chunk_start is None:
+                    compress_decode(kv, score, ix.positions, *state, ape, norm, self.rope.freqs, c.norm_eps, pool, dst,
+                                    state_rows=b["slots"], runs=b.get("runs"))
+                else:
+                    compress_chunk(kv, score, ix.chunk_start, *state, b["slots"][:1], ape, norm, self.rope.freqs, c.norm_eps, pool, dst)
+
             parts = self._project(b[f"{L}.y"])
-            compress_decode(parts[0], parts[1], ix.positions, cache.comp_kv, cache.comp_score, self.ape, self.comp_norm, self.rope.freqs,
-                            c.norm_eps, cache.pool, ix.comp_slot, state_rows=b["slots"], runs=b.get("runs"))
+            run(parts[0], parts[1], (cache.comp_kv, cache.comp_score), self.ape, self.comp_norm, cache.pool, ix.comp_slot)
             if ratio == 4:
-                compress_decode(parts[2], parts[3], ix.positions, cache.idx_kv, cache.idx_score, self.idx_ape, self.idx_norm, self.rope.freqs,
-                                c.norm_eps, cache.keys, ix.key_row, state_rows=b["slots"], runs=b.get("runs"))
+                run(parts[2], parts[3], (cache.idx_kv, cache.idx_score), self.idx_ape, self.idx_norm, cache.keys, ix.key_row)
                 b[f"{L}.weights"] = parts[4]  # weights_proj(y) in float32; index_scores rounds it to bf16 and scales it
 
         def index_query(b: dict) -> None:
@@ -275,13 +302,16 @@ class DecodeLayer:
             b[f"{L}.qi"] = fp4_quantize(quant.hadamard_transform(rope_(qi, ix.cos, ix.sin)))
 
         def index_select(b: dict) -> None:
-            scores = index_scores(*b[f"{L}.qi"], b[f"{L}.weights"], cache.keys, ix.key_start, ix.n_keys, cache.n_max,
+            scores = index_scores(*b[f"{L}.qi"], b[f"{L}.weights"], cache.keys, ix.key_start, ix.n_keys, ix.max_keys or cache.n_max,
                                   weight_scale=c.index_head_dim**-0.5 * c.index_n_heads**-0.5, weights_bf16=True)
             topk_indices(scores, ix.n_keys, c.index_topk, out=ix.attn_idx, out_col=c.window_size, offset=ix.comp_base)
 
         def attend(b: dict) -> None:
             o = sparse_attention(b[f"{L}.q"], cache.pool, ix.attn_idx, self.sink, hd**-0.5)
             b[f"{L}.o"] = rope_(o, ix.cos, ix.sin, inverse=True)
+            if ix.ring_copy is not None:  # every row has attended: the chunk's last W positions join the ring
+                src, dst = ix.ring_copy
+                cache.pool[dst.long()] = cache.pool[src.long()]
 
         def wo_a(b: dict) -> None:
             b[f"{L}.oa"] = fp8_grouped_gemv(b[f"{L}.o"].view(b[f"{L}.o"].shape[0], -1), *self.wo_a, c.o_groups * heads // c.n_heads)

@@ -4,7 +4,8 @@
 checkpoint weight: the input is FP8-quantised per row and 128-block (`quant.act_quant_fp8`),
 multiplied by the e4m3 weight with its 128x128 E8M0 block scales, accumulated in fp32 and
 rounded to bf16. Up to 32 tokens go through one launch of kernels_cu/gemm.cu; larger batches are
-cut into 32-token slices (prefill-sized matmuls belong to a tensor-core GEMM, not this kernel).
+cut into 32-token slices, and from dense.DENSE_MIN_ROWS rows (prompt chunks) the matmul runs on
+cuBLAS over a bf16 copy of the weight (dense.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 
 import torch
 
+from .dense import DENSE_MIN_ROWS, act_dequant, fp8_weight_bf16, mm_f32
 from .runtime import get_kernel, ptr
 
 BLOCK = 128  # V4-Flash weight blocks and activation blocks
@@ -127,6 +129,9 @@ class Fp8Linear:
         """From an act_quant result (shared by several linears of one input): bf16 [M, N]."""
         m = xq.shape[0]
         n = self.out_features
+        if m >= DENSE_MIN_ROWS:
+            y = mm_f32(act_dequant(xq, sx), fp8_weight_bf16(self.weight, self.scale)).to(torch.bfloat16)
+            return out.copy_(y) if out is not None else y
         if out is None:
             out = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
         for lo in range(0, m, MAX_TOKENS):

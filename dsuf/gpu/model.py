@@ -9,8 +9,12 @@ A step feeds one token to each of B rows, every row at its own position; the row
 sequence (up to PREFILL_CHUNK of a prompt, at consecutive positions) sit side by side in position
 order. The step (index computation, embedding, the layers, the head) is captured as one CUDA
 graph per row-count bucket on first use and replayed after: the host only copies the rows' token
-ids, slots, positions and runs in and the logits it samples from out. Decode steps and prompt
-chunks are one computation (dedicated prefill kernels come later).
+ids, slots, positions and runs in and the logits it samples from out.
+
+A prompt of PREFILL_MIN tokens or more is prefilled on its own first, in chunks of up to
+`prefill_rows` rows run eagerly (no graph: a chunk's launches are few against its work): its
+matmuls on the tensor cores over bf16 weight copies (dense.py), its KV through the caches'
+scratch entries, its compressors' groups in parallel (layer.py).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dsuf.model.state import CompressorState, SequenceState, StateError
 from .attention import pack_kv, unpack_kv
 from .indexer import pack_index_keys, unpack_index_keys
 from .layer import PREFILL_CHUNK, DecodeLayer, LayerCache, StepIndex, has_mm_out_dtype, ring_size, step_index
+from .moe import GROUPED_MIN_TOKENS
 from .norm import rms_norm
 from .tp import TensorParallel, check_tp
 
@@ -46,6 +51,9 @@ def taking_from(tensors: dict[str, torch.Tensor]) -> TensorSource:
     return take
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PREFILL_MIN = 2 * PREFILL_CHUNK  # prompts this long are prefilled in large chunks, outside the step graphs
+PREFILL_MAX = 8192  # rows of a prefill chunk
+INDEX_SCORE_BYTES = 2 << 30  # a prefill chunk's index scores (float32 [rows, keys]) stay below this
 
 
 def step_rows(max_batch: int) -> int:
@@ -102,10 +110,12 @@ class GpuModel:
         # are never all held twice (the experts' kernel layout is a copy).
         self.layers = [DecodeLayer(c, i, take(i), device, tp) for i in range(c.n_layers)]
         rows = step_rows(max_batch)
-        for layer in self.layers:
-            layer.moe.reserve(rows * c.n_activated_experts)
+        for layer in self.layers:  # every batch the MoE kernels may take: the step's rows, or a prefill chunk short of the grouped path
+            layer.moe.reserve(max(rows, GROUPED_MIN_TOKENS - 1) * c.n_activated_experts)
         slots = max_batch + 1
-        self.caches = [LayerCache.new(c, layer.ratio, slots, max_context, device) for layer in self.layers]
+        # A prefill chunk: as long as the index scores of its rows against every key allow.
+        self.prefill_rows = max(PREFILL_CHUNK, min(PREFILL_MAX, max_context, INDEX_SCORE_BYTES // (4 * max(1, max_context // 4))))
+        self.caches = [LayerCache.new(c, layer.ratio, slots, max_context, device, scratch=self.prefill_rows) for layer in self.layers]
         self.free_slots = list(range(slots - 1, 0, -1))
         self.buckets = [b for b in BUCKETS if b < rows] + [rows]
         self.dev_in = torch.zeros((3, rows), dtype=torch.int64, device=device)  # ids, slots, positions
@@ -138,24 +148,39 @@ class GpuModel:
 
     # ---- the step ---------------------------------------------------------------------------------
 
-    def _indices(self, slots: torch.Tensor, pos: torch.Tensor) -> dict[int, StepIndex]:
+    def _indices(self, slots: torch.Tensor, pos: torch.Tensor, chunk_start: int | None = None) -> dict[int, StepIndex]:
         out: dict[int, StepIndex] = {}
         for layer, cache in zip(self.layers, self.caches):
             if layer.ratio not in out:
-                out[layer.ratio] = step_index(self.config, layer.ratio, cache.n_max, layer.rope, slots, pos)
+                chunk = None if chunk_start is None else (cache.slots * cache.stride, chunk_start)
+                out[layer.ratio] = step_index(self.config, layer.ratio, cache.n_max, layer.rope, slots, pos, chunk)
         return out
 
-    def _step(self, rows: int) -> torch.Tensor:
-        """One token for each of the first `rows` rows of the device inputs -> logits float32 [rows, vocab]."""
+    def _layers(self, ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, runs: torch.Tensor | None, chunk_start: int | None = None) -> torch.Tensor:
+        """The embedding and every layer for the rows (ids, slots, pos: int64 [B] on the device) -> the last streams."""
         c = self.config
-        ids, slots, pos = self.dev_in[:, :rows]
-        index = self._indices(slots, pos)
+        index = self._indices(slots, pos, chunk_start)
         x = self.embed[ids].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
-        buf = {"x0": x, "ids": ids, "slots": slots, "pos": pos, "runs": self.dev_runs[: rows + 1]}
+        buf = {"x0": x, "ids": ids, "slots": slots, "pos": pos, "runs": runs}
         for layer, cache in zip(self.layers, self.caches):
             for stage in layer.stages(cache, index[layer.ratio]):
                 stage.run(buf)
-        return self._logits(buf[f"x{c.n_layers}"])
+        return buf[f"x{c.n_layers}"]
+
+    def _step(self, rows: int) -> torch.Tensor:
+        """One token for each of the first `rows` rows of the device inputs -> logits float32 [rows, vocab]."""
+        ids, slots, pos = self.dev_in[:, :rows]
+        return self._logits(self._layers(ids, slots, pos, self.dev_runs[: rows + 1]))
+
+    def _prefill(self, seq: GpuSequence, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed a prompt in chunks of up to prefill_rows rows, eagerly -> the logits after its last token."""
+        for lo in range(0, len(tokens), self.prefill_rows):
+            chunk = tokens[lo : lo + self.prefill_rows].to(self.device, torch.int64)
+            n = chunk.shape[0]
+            pos = torch.arange(seq.pos, seq.pos + n, device=self.device)
+            x = self._layers(chunk, torch.full_like(pos, seq.slot), pos, None, chunk_start=seq.pos)
+            seq.pos += n
+        return self._logits(x[-1:])
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head: the streams collapsed with sigmoid weights (HyperHead), RMSNorm, the vocabulary projection."""
@@ -212,6 +237,9 @@ class GpuModel:
                 raise ValueError(f"a sequence of {seq.pos + len(tokens)} tokens exceeds this worker's context of {self.max_context}")
         out: list[torch.Tensor | None] = [None] * len(batch)
         fed = [0] * len(batch)
+        for i, (tokens, seq) in enumerate(batch):
+            if len(tokens) >= PREFILL_MIN:
+                out[i], fed[i] = self._prefill(seq, tokens), len(tokens)
         capacity = self.buckets[-1]
         while any(f < len(tokens) for f, (tokens, _) in zip(fed, batch)):
             # A step: every sequence's next tokens, up to a chunk each, while the step has room.

@@ -1,5 +1,9 @@
-"""The MoE layer at decode time on the GPU: routed FP4 experts plus the FP8 shared expert, computed
-as `layers.MoE` computes them in reference numerics (routing itself stays in torch).
+"""The MoE layer on the GPU: routed FP4 experts plus the FP8 shared expert, computed as `layers.MoE`
+computes them in reference numerics (routing is the router's).
+
+Decode-sized batches (below GROUPED_MIN_TOKENS tokens) run in the kernels described here; prompt
+chunks run as grouped bf16 GEMMs over a bf16 copy of the experts made once a chunk (`Moe._grouped`,
+dense.py).
 
 For T tokens with top-k experts there are P = T*k (token, expert) pairs. Pairs are sorted by
 expert, and each expert's weights are streamed once for all of its tokens (up to 8 a pass), so a
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .dense import act_fake_quant, fp4_weight_bf16, fp8_weight_bf16, mm_f32, swiglu
 from .linear import BLOCK, CTA_ROWS, MAX_TOKENS, GemmParams, act_quant, choose_splits, launch_fp8, scale_bytes, sm_count
 from .runtime import get_kernel, ptr
 
@@ -30,6 +35,8 @@ FP4_MAX_CHUNKS = 16  # 128-element K chunks one CTA of the FP4 kernels covers (g
 # for tools/gpu-check --fp4-sweep; every choice gives the same bits.
 FP4_VARIANT: str | None = None
 FP4_SPLITS: int | None = None
+GROUPED_MIN_TOKENS = 1024  # from here the experts' bf16 copy (read once) beats the FP4 kernels' passes of 8 tokens an expert
+EXPERT_COPY_BYTES = 2 << 30  # the bf16 copy is made this many bytes of experts at a time
 
 
 def permute_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -97,8 +104,8 @@ class Fp8Expert:
         self.w1, self.w3, self.w2 = self.w1.contiguous(), self.w3.contiguous(), self.w2.contiguous()
 
 
-class MoeDecode:
-    """y = Σ_routed + shared for decode-sized batches; `limit` is the SwiGLU clamp (swiglu_limit).
+class Moe:
+    """y = Σ_routed + shared; `limit` is the SwiGLU clamp (swiglu_limit).
 
     The shared expert runs on a side stream, concurrently with the routed experts. Holds split-K
     arrival counters, so one instance must not run on two streams at once."""
@@ -125,7 +132,9 @@ class MoeDecode:
         """x bf16 [T, D]; weights float32 [T, k] and idx [T, k] from the router -> bf16 [T, D]."""
         t, k = idx.shape
         if not 1 <= k <= 16 or self.routed.dim % 2048:
-            raise ValueError(f"MoeDecode: top-k must be 1..16 and D a multiple of 2048, got k={k}, D={self.routed.dim}")
+            raise ValueError(f"Moe: top-k must be 1..16 and D a multiple of 2048, got k={k}, D={self.routed.dim}")
+        if t >= GROUPED_MIN_TOKENS and not torch.cuda.is_current_stream_capturing():  # (it syncs with the host once)
+            return self._combine(*self._grouped(x, weights, idx), idx, out)
         xq, sx = act_quant(x)
         main = torch.cuda.current_stream(x.device)
         if self.side is None:
@@ -144,14 +153,57 @@ class MoeDecode:
 
         main.wait_stream(self.side)
         y_shared.record_stream(main)
+        return self._combine(y_routed, y_shared, idx, out)
+
+    def _combine(self, y_routed: torch.Tensor, y_shared: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Per token, its routed outputs (bf16 [T*k, D], pair t*k + j) summed in ascending expert
+        order, then the shared expert's (bf16 [T, D]) -> bf16 [T, D]."""
+        t, k = idx.shape
         if out is None:
-            out = torch.empty((t, self.routed.dim), dtype=torch.bfloat16, device=x.device)
-        get_kernel("moe_combine", "moe_combine_bf16", x.device)(
+            out = torch.empty((t, self.routed.dim), dtype=torch.bfloat16, device=y_shared.device)
+        expert = idx.reshape(-1).to(torch.int32)
+        get_kernel("moe_combine", "moe_combine_bf16", y_shared.device)(
             (self.routed.dim // 2048, t, 1),
             256,
             [ptr(y_routed), ptr(y_shared), ptr(expert), ptr(out), ctypes.c_int(self.routed.dim), ctypes.c_int(k)],
         )
         return out
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prompt chunk's (routed outputs in pair order, shared output), both bf16: the pairs
+        sorted by expert through torch._grouped_mm over the experts' bf16 copy, made
+        EXPERT_COPY_BYTES at a time; the shared expert through cuBLAS (dense.py)."""
+        t, k = idx.shape
+        r = self.routed
+        n_experts, inter, dim = r.w1.shape[0], r.inter, r.dim
+        xf = act_fake_quant(x)
+        expert = idx.reshape(-1).long()
+        order = torch.argsort(expert, stable=True)
+        ends = torch.bincount(expert, minlength=n_experts).cumsum(0)
+        bounds = [0] + ends.tolist()  # one host sync: each expert's rows among the sorted pairs
+        xs = xf.index_select(0, order // k)
+        route_w = weights.reshape(-1).float().index_select(0, order)
+        y_sorted = torch.empty((t * k, dim), dtype=torch.bfloat16, device=x.device)
+        group = max(1, EXPERT_COPY_BYTES // (3 * inter * dim * 2))
+        for lo in range(0, n_experts, group):
+            hi = min(n_experts, lo + group)
+            a, b = bounds[lo], bounds[hi]
+            if a == b:
+                continue
+            offs = (ends[lo:hi] - a).to(torch.int32)
+            w13 = torch.empty((hi - lo, 2 * inter, dim), dtype=torch.bfloat16, device=x.device)
+            fp4_weight_bf16(r.w1[lo:hi], r.s1[lo:hi], out=w13[:, :inter])
+            fp4_weight_bf16(r.w3[lo:hi], r.s3[lo:hi], out=w13[:, inter:])
+            gate_up = torch._grouped_mm(xs[a:b], w13.transpose(1, 2), offs=offs)
+            del w13
+            h = act_fake_quant(swiglu(gate_up, self.limit, route_w[a:b]))
+            y_sorted[a:b] = torch._grouped_mm(h, fp4_weight_bf16(r.w2[lo:hi], r.s2[lo:hi]).transpose(1, 2), offs=offs)
+        y_routed = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
+        s = self.shared
+        w13 = torch.cat((fp8_weight_bf16(s.w1, s.s1), fp8_weight_bf16(s.w3, s.s3)))
+        h = act_fake_quant(swiglu(mm_f32(xf, w13), self.limit))
+        y_shared = mm_f32(h, fp8_weight_bf16(s.w2, s.s2)).to(torch.bfloat16)
+        return y_routed, y_shared
 
     def routed_gate_up(
         self,

@@ -3,7 +3,7 @@
 Scores s = sqrt(softplus(x W_gateᵀ)) (bf16 x and gate, float64 sums, float32 result); experts
 are the top-k of s + bias (ties to the lower expert) or, on hash layers, the token's row of
 tid2eid; weights = s[idx] / (Σ s[idx] + eps) · route_scale. Returns (weights float32 [T, k],
-idx int32 [T, k]), the form `moe.MoeDecode` takes."""
+idx int32 [T, k]), the form `moe.Moe` takes."""
 
 from __future__ import annotations
 

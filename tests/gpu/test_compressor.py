@@ -15,7 +15,7 @@ import torch
 from gpu_checks import compare
 
 from dsuf.gpu.attention import KV_ENTRY_BYTES, pack_kv
-from dsuf.gpu.compressor import compress_decode
+from dsuf.gpu.compressor import compress_chunk, compress_decode
 from dsuf.gpu.indexer import INDEX_ENTRY_BYTES, pack_index_keys, unpack_index_keys
 from dsuf.gpu.norm import rms_norm
 from dsuf.gpu.rope import rope_
@@ -321,3 +321,30 @@ def test_runs_apply_the_tokens_of_one_sequence_in_order(cuda, kind):
     assert torch.equal(state_kv, one_kv) and torch.equal(state_score, one_score)
     assert torch.equal(pool, one_pool)
     assert int((pool != 0).any(dim=1).sum()) == sum((start + n) // case.ratio - start // case.ratio for start, n in zip(starts, lengths))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("start, rows", [(0, 1), (1, 2), (0, 700), (3, 514), (130, 397)])
+def test_a_chunk_compressed_group_by_group_equals_its_rows_in_order(cuda, kind, start, rows):
+    """compress_chunk (a long prompt chunk's groups in parallel, each from the state its earlier
+    rows leave) writes the same entries and leaves the same state, bit for bit, as the chunk's rows
+    applied in order in one run; other slots' states are untouched."""
+    case = Case(kind, 1, cuda)
+    slot = torch.tensor([2], device=cuda)
+    state_kv, state_score = torch.randn(4, case.rows, case.channels, device=cuda), torch.randn(4, case.rows, case.channels, device=cuda)
+    s_kv, s_score = case.state([start])  # what the tokens before the chunk left
+    state_kv[2], state_score[2] = s_kv[0], s_score[0]
+    kv = torch.randn(rows, case.channels, device=cuda) * case.channel_scale.to(cuda)
+    score = torch.randn(rows, case.channels, device=cuda) * 2
+    pos = torch.arange(start, start + rows, dtype=torch.int32, device=cuda)
+    entries = (start + rows) // case.ratio + 1
+    dst = (pos.long() // case.ratio).to(case.slots.dtype)
+    in_order_kv, in_order_score = state_kv.clone(), state_score.clone()
+    in_order = torch.zeros((entries, case.pool.shape[1]), dtype=torch.uint8, device=cuda)
+    compress_decode(kv, score, pos, in_order_kv, in_order_score, case.ape_d, case.norm_d, case.freqs, EPS, in_order, dst,
+                    state_rows=slot.repeat(rows), runs=torch.tensor([0, rows], dtype=torch.int32, device=cuda))
+    pool = torch.zeros_like(in_order)
+    compress_chunk(kv, score, start, state_kv, state_score, slot, case.ape_d, case.norm_d, case.freqs, EPS, pool, dst)
+    assert torch.equal(pool, in_order)
+    assert torch.equal(state_kv, in_order_kv) and torch.equal(state_score, in_order_score)
+    assert int((pool != 0).any(dim=1).sum()) == (start + rows) // case.ratio - start // case.ratio

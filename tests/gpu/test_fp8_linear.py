@@ -41,7 +41,7 @@ def reference(w: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> torch.Tensor
     return Linear(quant.dequant_fp8_weight(w, s, 128), act_block=128)(x, Numerics(), torch.float32)
 
 
-@pytest.mark.parametrize("m", [1, 8, 13, 32])
+@pytest.mark.parametrize("m", [1, 8, 13, 32, 600])  # 600: a prompt chunk, on cuBLAS over the bf16 weight
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_fp8_linear(cuda, name, m):
     n, k = SHAPES[name]

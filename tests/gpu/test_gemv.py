@@ -130,3 +130,19 @@ def test_gemv_timings(cuda):
         torch_us = graph_us([lambda w=w, x=x: einsum_wo_a(x, w) for w in bf16_pool])
         nbytes = GROUPS * O_RANK * D + GROUPS * O_RANK * D // 128**2 + 2 * m * (GROUPS * D + GROUPS * O_RANK)
         report(f"fp8_grouped_gemv wo_a [{GROUPS}x{O_RANK}, {D}] x {m}", nbytes, ours, "torch einsum bf16", torch_us)
+
+
+def test_fp8_grouped_gemv_of_a_prompt_chunk(cuda):
+    """From DENSE_MIN_ROWS rows wo_a runs on cuBLAS over its bf16 copy: the reference's einsum."""
+    from dsuf.gpu.dense import DENSE_MIN_ROWS
+
+    m = DENSE_MIN_ROWS + 88
+    w, s = wo_a_weight(cuda)
+    w_bf16 = quant.dequant_fp8_weight(w, s, 128).to(torch.bfloat16)
+    x = random_activations(m, GROUPS * D, cuda)
+    ref = einsum_wo_a(x.double(), w_bf16.double())
+    _, torch_worst = compare(f"torch einsum (bf16 weight) x {m}", einsum_wo_a(x, w_bf16), ref)
+    out = torch.full((m, GROUPS * O_RANK), float("nan"), dtype=torch.bfloat16, device=cuda)
+    fp8_grouped_gemv(x, w, s, GROUPS, out=out)
+    rel, worst = compare(f"fp8_grouped_gemv wo_a x {m} (cuBLAS)", out, ref)
+    assert rel < 2.5e-3 and worst <= max(1.0, torch_worst)

@@ -161,15 +161,15 @@ def test_a_batch_gives_each_sequence_what_it_gets_alone(models) -> None:
 
 
 def test_a_prompt_fed_in_chunks_computes_what_it_computes_token_by_token(models) -> None:
-    """forward_batch runs a prompt PREFILL_CHUNK rows a step (the rows of a chunk share its
-    compressor states in order, and the ring keeps every window position a row reads): the
-    logits and every cached tensor agree with feeding the same prompt one token a step."""
+    """forward_batch runs a prompt shorter than PREFILL_MIN PREFILL_CHUNK rows a step (the rows of
+    a chunk share its compressor states in order, and the ring keeps every window position a row
+    reads): the logits and every cached tensor agree with feeding the same prompt one token a step."""
     from gpu_checks import state_tensors
 
     c, gpu, _, _ = models
-    from dsuf.gpu.layer import PREFILL_CHUNK
+    from dsuf.gpu.model import PREFILL_MIN
 
-    prompt = torch.randint(0, c.vocab_size, (2 * PREFILL_CHUNK + 44,))  # windows, HCA and CSA groups across chunk edges
+    prompt = torch.randint(0, c.vocab_size, (PREFILL_MIN - 1,))  # two chunks: windows, HCA and CSA groups across the edge
     seq = gpu.new_state()
     chunked = gpu.forward_batch([(prompt, seq)])[0]
     by_chunk = state_tensors(gpu.export_state(seq))
@@ -182,6 +182,40 @@ def test_a_prompt_fed_in_chunks_computes_what_it_computes_token_by_token(models)
     errors = [rel(a.float(), b.float()) for a, b in zip(by_chunk, by_token) if b.numel()]
     print(f"  chunked vs token by token: logits rel err {rel(chunked, alone):.1e}, cached tensors up to {max(errors):.1e}")
     assert rel(chunked, alone) < CHAOS and max(errors) < CHAOS  # a misplaced entry or state row gives ~1
+
+
+def test_a_long_prompt_prefilled_in_large_chunks_computes_what_the_steps_compute(models) -> None:
+    """A prompt of PREFILL_MIN tokens or more is prefilled outside the step graphs, prefill_rows
+    rows a chunk (FP8 linears and the MoE on the tensor cores over bf16 weight copies, KV through
+    the scratch entries, the compressors' groups in parallel): the logits, every cached tensor and
+    the decode steps after it agree with the same prompt fed through the steps. Chunks of 1024 and
+    300 rows: across a chunk edge, with and without the grouped MoE."""
+    from gpu_checks import state_tensors
+
+    from dsuf.gpu.model import PREFILL_MIN
+
+    c, gpu, _, _ = models
+    prompt = torch.randint(0, c.vocab_size, (1324,))
+    after = torch.randint(0, c.vocab_size, (3,))
+    held, gpu.prefill_rows = gpu.prefill_rows, 1024
+    try:
+        seq = gpu.new_state()
+        prefilled = [gpu.forward_batch([(prompt, seq)])[0]]
+        prefilled_state = state_tensors(gpu.export_state(seq))
+        prefilled += [gpu.forward_batch([(t.view(1), seq)])[0] for t in after]
+        gpu.free(seq)
+    finally:
+        gpu.prefill_rows = held
+    seq = gpu.new_state()
+    for lo in range(0, len(prompt), PREFILL_MIN - 1):  # pieces too short for the prefill path
+        stepped = [gpu.forward_batch([(prompt[lo : lo + PREFILL_MIN - 1], seq)])[0]]
+    stepped_state = state_tensors(gpu.export_state(seq))
+    stepped += [gpu.forward_batch([(t.view(1), seq)])[0] for t in after]
+    gpu.free(seq)
+    logits = [rel(a, b) for a, b in zip(prefilled, stepped)]
+    errors = [rel(a.float(), b.float()) for a, b in zip(prefilled_state, stepped_state) if b.numel()]
+    print(f"  prefilled vs stepped: logits rel err {', '.join(f'{e:.1e}' for e in logits)}, cached tensors up to {max(errors):.1e}")
+    assert max(logits) < CHAOS and max(errors) < CHAOS  # a misplaced entry or state row gives ~1
 
 
 def test_cuda_graph_replays_equal_eager_steps(models) -> None:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from gpu_checks import compare, random_activations, random_fp4_weight, random_fp8_weight
 
 from dsuf.gpu.linear import act_quant
-from dsuf.gpu.moe import Fp4Experts, Fp8Expert, MoeDecode, permute_fp4
+from dsuf.gpu.moe import Fp4Experts, Fp8Expert, Moe, permute_fp4
 from dsuf.model import quant
 from dsuf.model.layers import Expert, Linear, MoE, Numerics, f64
 
@@ -30,7 +30,7 @@ def test_permute_fp4_layout():
 
 @pytest.fixture(scope="module")
 def moe_pair():
-    """(kernel MoeDecode, reference layers.MoE) over the same random checkpoint tensors."""
+    """(kernel Moe, reference layers.MoE) over the same random checkpoint tensors."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA is not available")
     dev = torch.device("cuda")
@@ -48,7 +48,7 @@ def moe_pair():
     shared = Expert(
         *(Linear(quant.dequant_fp8_weight(w, s, 128), act_block=128) for w, s in ((w1, s1), (w2, s2), (w3, s3))), LIMIT
     )
-    kernel = MoeDecode(
+    kernel = Moe(
         Fp4Experts.from_checkpoint(*(torch.stack(routed[n]) for n in routed)), Fp8Expert(w1, s1, w3, s3, w2, s2), LIMIT
     )
     reference = MoE(
@@ -74,7 +74,7 @@ def reference_moe(moe: MoE, x: torch.Tensor, weights: torch.Tensor, idx: torch.T
 
 
 def by_expert(idx: torch.Tensor, grouped: bool) -> torch.Tensor | None:
-    """The pair order MoeDecode uses with several tokens (sorted by expert), or none."""
+    """The pair order Moe uses with several tokens (sorted by expert), or none."""
     return torch.argsort(idx.reshape(-1), stable=True).int() if grouped else None
 
 
@@ -136,3 +136,21 @@ def test_moe_decode(cuda, moe_pair, tokens):
     rel, worst = compare(f"MoE decode, {tokens} tokens x ({TOPK} routed + shared)", out, reference_moe(moe, x, weights, idx))
     assert rel < 4e-3 and worst <= 2.0
     assert torch.equal(kernel(x, weights, idx), out), "not deterministic"
+
+
+def test_moe_of_a_prompt_chunk(cuda, moe_pair):
+    """From GROUPED_MIN_TOKENS tokens the experts run as grouped bf16 GEMMs over their bf16 copy
+    (torch._grouped_mm): the routed gate and up are rounded to bf16 there, which the reference
+    keeps in float32. The relative error stays near the decode kernels'; single elements move
+    further, because a one-ulp change of h can move its FP8 rounding for w2 by a whole e4m3 step
+    (2**-3 relative, 32 bf16 ulps). A misplaced pair or expert would give an error near 1."""
+    from dsuf.gpu.moe import GROUPED_MIN_TOKENS
+
+    kernel, moe = moe_pair
+    tokens = GROUPED_MIN_TOKENS + 24
+    x = random_activations(tokens, D, cuda)
+    weights, idx = moe.route(x, None)
+    out = torch.full((tokens, D), float("nan"), dtype=torch.bfloat16, device=cuda)
+    kernel(x, weights, idx, out=out)
+    rel, worst = compare(f"MoE of a prompt chunk, {tokens} tokens x ({TOPK} routed + shared)", out, reference_moe(moe, x, weights, idx))
+    assert rel < 6e-3 and worst <= 128.0

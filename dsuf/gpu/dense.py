@@ -1,0 +1,100 @@
+"""Prefill-sized matmuls: quantised weights turned into bf16 copies once per prompt chunk and
+multiplied on the tensor cores by cuBLAS (torch.mm) or CUTLASS (torch._grouped_mm, the routed
+experts).
+
+A chunk of thousands of rows is compute-bound. The decode kernels re-read a weight for every 32
+rows (FP8) or every 8 rows of an expert (FP4), hundreds of times a chunk; here it is read once,
+written once as bf16 and read by the GEMM. Dequantisation is exact (an e4m3 or e2m1 value times a
+power-of-two E8M0 scale is a bf16 value), and so is the activations' FP8 quantisation kept as bf16
+(`act_fake_quant`), so every product is the reference's; only the fp32 summation order differs,
+and the routed experts' gate and up projections are rounded to bf16 before the SwiGLU
+(torch._grouped_mm writes bf16 only; the reference keeps them in float32).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from .runtime import get_kernel, ptr
+
+DENSE_MIN_ROWS = 512  # from this many rows an FP8 linear runs here rather than in the decode kernels
+
+
+def fp8_weight_bf16(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 [N, K] with uint8 E8M0 scales [N/128, K/128] -> bf16 [N, K] (exact)."""
+    n, k = w.shape
+    if w.dtype != torch.float8_e4m3fn or n % 128 or k % 128 or tuple(scale.shape) != (n // 128, k // 128) or scale.dtype != torch.uint8:
+        raise ValueError(f"fp8_weight_bf16: need e4m3 [N, K] in 128-multiples and uint8 scales [N/128, K/128], got {tuple(w.shape)}, {scale.dtype} {tuple(scale.shape)}")
+    out = torch.empty((n, k), dtype=torch.bfloat16, device=w.device)
+    get_kernel("dequant", "fp8_weight_bf16", w.device)(
+        (math.ceil(n * k / 8 / 256), 1, 1), 256, [ptr(w.contiguous()), ptr(scale.contiguous()), ptr(out), ctypes.c_int(n), ctypes.c_int(k)]
+    )
+    return out
+
+
+def fp4_weight_bf16(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Stacked FP4 experts in kernel layout (moe.permute_fp4) uint8 [E, N, K/2] with uint8 E8M0
+    scales [E, N, K/32] -> bf16 [E, N, K] (exact), written into `out` if given: a [E, N, K] view
+    whose experts may lie further apart (e.g. w1 and w3 side by side in one [E, 2N, K] buffer)."""
+    e, n, half = w.shape
+    k = 2 * half
+    if w.dtype != torch.uint8 or k % 128 or tuple(scale.shape) != (e, n, k // 32) or not w.is_contiguous() or not scale.is_contiguous():
+        raise ValueError(f"fp4_weight_bf16: need contiguous uint8 [E, N, K/2] and scales [E, N, K/32], got {tuple(w.shape)}, {tuple(scale.shape)}")
+    if out is None:
+        out = torch.empty((e, n, k), dtype=torch.bfloat16, device=w.device)
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (e, n, k) or out.stride()[1:] != (k, 1):
+        raise ValueError(f"fp4_weight_bf16: out must be bf16 [{e}, {n}, {k}] with contiguous experts")
+    words = e * n * k // 8
+    get_kernel("dequant", "fp4_weight_bf16", w.device)(
+        (math.ceil(words / 256), 1, 1), 256,
+        [ptr(w), ptr(scale), ptr(out), ctypes.c_int64(e * n), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int64(out.stride(0))],
+    )
+    return out
+
+
+def act_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """bf16 [M, K] -> bf16 [M, K]: the per-row, per-128 FP8 quantisation (linear.act_quant) of x,
+    as the values it decodes to."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 128:
+        raise ValueError(f"act_fake_quant: need bf16 [M, K] with K % 128 == 0, got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    rows, k = x.shape
+    out = torch.empty_like(x)
+    if rows:
+        get_kernel("act_quant", "act_fake_quant_bf16", x.device)(
+            (math.ceil(rows * (k // 128) / 8), 1, 1), 256, [ptr(x), ptr(out), ctypes.c_int(rows), ctypes.c_int(k)]
+        )
+    return out
+
+
+def act_dequant(xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+    """An act_quant result (e4m3 [M, K], float32 scales [M, K/128]) as bf16 values (exact)."""
+    m, k = xq.shape
+    return (xq.float().view(m, k // 128, 128) * sx.unsqueeze(-1)).view(m, k).to(torch.bfloat16)
+
+
+def mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """bf16 x [M, K] @ w [N, K]ᵀ, fp32 accumulation, float32 [M, N] (cuBLAS)."""
+    return torch.mm(x, w.t(), out_dtype=torch.float32)
+
+
+def swiglu(gate_up: torch.Tensor, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """layers.Expert's SwiGLU over pairs: gate_up float32 or bf16 [P, 2I] (gate, then up) and
+    optional routing weights float32 [P] -> bf16 h [P, I]."""
+    pairs, two_i = gate_up.shape
+    inter = two_i // 2
+    if gate_up.dtype not in (torch.float32, torch.bfloat16) or two_i % 4 or not gate_up.is_contiguous():
+        raise ValueError(f"swiglu: need contiguous float32 or bf16 [P, 2I], got {gate_up.dtype} {tuple(gate_up.shape)}")
+    if weight is not None and (weight.dtype != torch.float32 or tuple(weight.shape) != (pairs,)):
+        raise ValueError(f"swiglu: weight must be float32 [{pairs}]")
+    h = torch.empty((pairs, inter), dtype=torch.bfloat16, device=gate_up.device)
+    if pairs:
+        name = "swiglu_f32" if gate_up.dtype == torch.float32 else "swiglu_bf16"
+        get_kernel("dequant", name, gate_up.device)(
+            (math.ceil(pairs * inter / 2 / 256), 1, 1), 256,
+            [ptr(gate_up), ptr(weight.contiguous() if weight is not None else None), ptr(h), ctypes.c_int64(pairs), ctypes.c_int(inter), ctypes.c_float(limit)],
+        )
+    return h
