@@ -165,6 +165,9 @@ class GpuModel:
         for layer, cache in zip(self.layers, self.caches):
             for stage in layer.stages(cache, index[layer.ratio]):
                 stage.run(buf)
+            # Only the next layer's input lives on (a prefill chunk's intermediates take GBs a layer).
+            for key in [k for k in buf if k.startswith(f"{layer.layer}.")] + [f"x{layer.layer}"]:
+                del buf[key]
         return buf[f"x{c.n_layers}"]
 
     def _step(self, rows: int) -> torch.Tensor:
