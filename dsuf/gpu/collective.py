@@ -6,7 +6,9 @@ CUDA graphs:
 
 - `IpcCollective`: kernels_cu/collective.cu over CUDA IPC peer buffers, one launch a call and no
   NCCL; built for the decode step's small messages, where NCCL's latency (~36 µs an all-reduce
-  between two H200, design.md) would cost more than the layer it serves.
+  between two H200, design.md) would cost more than the layer it serves. Its 32 CTAs move a
+  prompt chunk's megabytes slowly, so it hands messages of BULK_BYTES and more, outside graph
+  capture, to an NCCL group (`bulk`).
 - `NcclCollective`: torch.distributed on NCCL, for comparison (`dsuf bench --collective nccl`).
 
 Both need a process group over all ranks to set up (the IPC one exchanges its memory handles
@@ -29,6 +31,7 @@ CTAS = 32  # mirror of collective.cu
 THREADS = 512
 FLAG_BYTES = CTAS * MAX_RANKS * 4
 HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
+BULK_BYTES = 1 << 20  # from here an all-reduce goes to NCCL (a prompt chunk of 128 rows and more)
 
 class Collective(Protocol):
     rank: int
@@ -79,8 +82,9 @@ class IpcCollective:
     rank's memory, mapped into every other rank through CUDA IPC. Construct it on every rank of
     `group` at the same time (it exchanges handles and waits for all)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, slot_bytes: int) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, slot_bytes: int, bulk: NcclCollective | None = None) -> None:
         driver = _driver()
+        self.bulk = bulk
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         if self.world > MAX_RANKS:
             raise ValueError(f"IpcCollective: at most {MAX_RANKS} ranks, got {self.world}")
@@ -131,9 +135,14 @@ class IpcCollective:
         p = _CollParams(self._peers, inp.data_ptr(), out.data_ptr(), n, rows, **expand)
         get_kernel("collective", name, self.device)((CTAS, 1, 1), THREADS, [p])
 
+    def _to_bulk(self, x: torch.Tensor) -> bool:
+        return self.bulk is not None and x.numel() * x.element_size() >= BULK_BYTES and not torch.cuda.is_current_stream_capturing()
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.numel() % 8:
             raise ValueError(f"all_reduce: need bf16 with a multiple of 8 elements, got {x.dtype} {tuple(x.shape)}")
+        if self._to_bulk(x):
+            return self.bulk.all_reduce(x)
         out = torch.empty_like(x)
         self._launch("all_reduce_bf16", x, out, x.numel(), 1)
         return out
@@ -142,10 +151,12 @@ class IpcCollective:
         t, d = partial.shape
         if partial.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or tuple(x.shape) != (t, HC_N, d) or d % 8:
             raise ValueError(f"all_reduce_expand: need bf16 partial [T, D] and streams [T, {HC_N}, D], got {tuple(partial.shape)}, {tuple(x.shape)}")
+        if self._to_bulk(partial):
+            return self.bulk.all_reduce_expand(partial, x, post, comb)
         out, x = torch.empty_like(partial), x.contiguous()
         y = torch.empty_like(x)
         post, comb = post.float().contiguous(), comb.float().contiguous()
-        piece = max(1, self.slot_bytes // (2 * d))  # a prompt chunk's rows go a staging slot at a time
+        piece = max(1, self.slot_bytes // (2 * d))  # (without bulk) a prompt chunk's rows go a staging slot at a time
         for lo in range(0, t, piece):
             hi = min(t, lo + piece)
             self._launch("all_reduce_expand_bf16", partial[lo:hi], out[lo:hi], (hi - lo) * d, 1,

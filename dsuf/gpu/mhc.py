@@ -1,7 +1,8 @@
 """Manifold-constrained hyper-connections at decode (kernels_cu/mhc.cu): one mHC site's
 coefficients (`layers.HyperConnection.coefficients`) and the stream update (`layers.hc_expand`),
 numerically the reference's (float64 sums, float32 rounding where it rounds). The collapse that
-precedes every block is `norm.hc_collapse_rms_norm`."""
+precedes every block is `norm.hc_collapse_rms_norm`. A prompt chunk's mixes are the reference's
+own float64 matmul (cuBLAS), which beats the per-token kernel there."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import ctypes
 
 import torch
 
+from dsuf.model.layers import HyperConnection
+
+from .dense import DENSE_MIN_ROWS
 from .runtime import get_kernel, ptr
 
 HC_N = 4  # streams (hc_mult); the kernels are written for 4
@@ -32,11 +36,13 @@ class HcSite:
             raise ValueError(f"HcSite: need bf16 [T, {HC_N}, {self.fn.shape[1] // HC_N}], got {x.dtype} {tuple(x.shape)}")
         rows = self.fn.shape[0]
         x = x.contiguous()
-        mix = torch.empty((t, rows), dtype=torch.float32, device=x.device)
+        mix = torch.empty((t, rows), dtype=torch.float32, device=x.device)  # (the kernel's output)
         pre = torch.empty((t, n), dtype=torch.float32, device=x.device)
         post = torch.empty((t, n), dtype=torch.float32, device=x.device)
         comb = torch.empty((t, n, n), dtype=torch.float32, device=x.device)
-        if t:
+        if t >= DENSE_MIN_ROWS:
+            mix = HyperConnection(self.fn, self.base, self.scale).mixes(x, self.norm_eps)
+        elif t:
             get_kernel("mhc", "hc_mixes", x.device)(
                 (rows, t, 1), MIX_THREADS, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(d), ctypes.c_double(self.norm_eps)]
             )

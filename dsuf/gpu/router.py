@@ -3,7 +3,8 @@
 Scores s = sqrt(softplus(x W_gateᵀ)) (bf16 x and gate, float64 sums, float32 result); experts
 are the top-k of s + bias (ties to the lower expert) or, on hash layers, the token's row of
 tid2eid; weights = s[idx] / (Σ s[idx] + eps) · route_scale. Returns (weights float32 [T, k],
-idx int32 [T, k]), the form `moe.Moe` takes."""
+idx int32 [T, k]), the form `moe.Moe` takes. A prompt chunk's scores are the reference's own
+float64 matmul (cuBLAS), which beats the per-token kernel there."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ import math
 
 import torch
 
+import torch.nn.functional as F
+
+from dsuf.model.layers import acc_matmul, f64
+
+from .dense import DENSE_MIN_ROWS
 from .runtime import get_kernel, ptr
 
 MAX_EXPERTS = 512
@@ -45,6 +51,8 @@ class Router:
         experts, dim = self.gate.shape
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != dim:
             raise ValueError(f"Router: need bf16 x [T, {dim}], got {x.dtype} {tuple(x.shape)}")
+        if x.shape[0] >= DENSE_MIN_ROWS:
+            return f64(lambda z: F.softplus(z).sqrt(), acc_matmul(x, self.gate.double()))
         out = torch.empty((x.shape[0], experts), dtype=torch.float32, device=x.device)
         if x.shape[0]:
             get_kernel("router", "router_scores", x.device)(

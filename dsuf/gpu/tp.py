@@ -113,14 +113,15 @@ class TensorParallel:
 
 def start(rank: int, world: int, init_method: str, device: torch.device, kind: str = "ipc", slot_bytes: int = 16 << 20) -> TensorParallel:
     """Join the ranks' process group (gloo, for setting up) and build the collective: "ipc"
-    (kernels_cu/collective.cu, with staging slots of slot_bytes) or "nccl"."""
+    (kernels_cu/collective.cu, with staging slots of slot_bytes, and NCCL for prompt chunks'
+    large messages) or "nccl". NCCL's communicator is set up here, not on a first request."""
     for key, off in MULTICAST_OFF.items():  # NVLink multicast stays off on these machines
         os.environ.setdefault(key, off)
     torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    if kind == "ipc":
-        return TensorParallel(rank, world, IpcCollective(None, device, slot_bytes))
-    if kind == "nccl":
-        return TensorParallel(rank, world, NcclCollective(dist.new_group(backend="nccl")))
-    raise ValueError(f"unknown collective {kind!r} (ipc or nccl)")
+    if kind not in ("ipc", "nccl"):
+        raise ValueError(f"unknown collective {kind!r} (ipc or nccl)")
+    nccl = NcclCollective(dist.new_group(backend="nccl"))
+    nccl.all_reduce(torch.zeros(8, dtype=torch.bfloat16, device=device))
+    return TensorParallel(rank, world, IpcCollective(None, device, slot_bytes, bulk=nccl) if kind == "ipc" else nccl)

@@ -19,7 +19,7 @@ def streams(tokens: int, device) -> torch.Tensor:
     return (torch.randn(tokens, N, D, device=device) * torch.exp(torch.randn(tokens, N, 1, device=device))).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 32])
+@pytest.mark.parametrize("tokens", [1, 8, 32, 600])  # 600: a prompt chunk (the mixes in torch)
 def test_hc_coefficients(cuda, tokens):
     fn = torch.randn((2 + N) * N, N * D, device=cuda) / 128  # mixes of order 1
     base = torch.randn((2 + N) * N, device=cuda)

@@ -12,7 +12,7 @@ from dsuf.model.layers import MoE
 E, D, TOPK, SCALE, VOCAB = 256, 4096, 6, 1.5, 129280
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 32])
+@pytest.mark.parametrize("tokens", [1, 8, 32, 600])  # 600: a prompt chunk (the scores in torch)
 @pytest.mark.parametrize("hashed", [False, True])
 def test_router(cuda, tokens, hashed):
     gate = (torch.randn(E, D, device=cuda) * 0.02).to(torch.bfloat16)

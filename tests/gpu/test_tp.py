@@ -44,7 +44,7 @@ def _collectives_rank(rank: int, init: str, out: Path) -> None:
     nccl = NcclCollective(dist.new_group(backend="nccl"))
     gen = torch.Generator(device).manual_seed(1234 + rank)
     got: dict[str, object] = {}
-    for rows in (1, 8, 64):
+    for rows in (1, 8, 64, 512):  # 512 rows (4 MB): a prompt chunk's message, handed to NCCL
         x = (torch.randn(rows, 4096, generator=gen, device=device) * 4).bfloat16()
         got[f"reduce in {rows}"], got[f"reduce ipc {rows}"], got[f"reduce nccl {rows}"] = x.cpu(), ipc.all_reduce(x).cpu(), nccl.all_reduce(x).cpu()
     part = torch.randn(3, 64640, generator=gen, device=device)
@@ -92,7 +92,7 @@ def _sum(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def test_ipc_collectives_give_every_rank_the_rank_ordered_sum_eager_and_in_graphs(tmp_path) -> None:
     ranks = _spawn(_collectives_rank, tmp_path)
-    for rows in (1, 8, 64):
+    for rows in (1, 8, 64, 512):
         want = _sum([r[f"reduce in {rows}"] for r in ranks])
         for r in ranks:
             assert torch.equal(r[f"reduce ipc {rows}"], want)
@@ -112,7 +112,7 @@ def test_ipc_collectives_give_every_rank_the_rank_ordered_sum_eager_and_in_graph
     print(f"  batch-1 all-reduce (4096 bf16) in a CUDA graph: IPC {ranks[0]['µs']['ipc']:.1f} µs, NCCL {ranks[0]['µs']['nccl']:.1f} µs")
 
 
-SEED, PROMPT, DECODE = 7, 300, 6
+SEED, PROMPT, DECODE = 7, 600, 6  # a prompt for the prefill path (dense GEMMs, NCCL for its all-reduces)
 
 
 def _model_rank(rank: int, init: str, out: Path, tokens: torch.Tensor) -> None:
