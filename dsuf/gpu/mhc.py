@@ -41,11 +41,12 @@ class HcSite:
         post = torch.empty((t, n), dtype=torch.float32, device=x.device)
         comb = torch.empty((t, n, n), dtype=torch.float32, device=x.device)
         if t >= DENSE_MIN_ROWS:
-            mix = HyperConnection(self.fn, self.base, self.scale).mixes(x, self.norm_eps)
+            mix = HyperConnection(self.fn, self.base, self.scale).mixes(x, self.norm_eps).contiguous()
         elif t:
             get_kernel("mhc", "hc_mixes", x.device)(
                 (rows, t, 1), MIX_THREADS, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(d), ctypes.c_double(self.norm_eps)]
             )
+        if t:
             get_kernel("mhc", "hc_coefficients", x.device)(
                 (t, 1, 1),
                 32,
