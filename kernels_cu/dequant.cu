@@ -37,33 +37,35 @@ DSUF_DEVICE float e2m1_value(u32 code) {
 // new word 4t + i holds old word 4i + t), rows of K/2 bytes, with E8M0 scales [rows, K/32] ->
 // bf16. Row r (expert r / N, row r % N of it) goes to out + (r / N) * out_stride + (r % N) * K, so
 // two experts' matrices can be written side by side (w1 and w3 into one [E, 2N, K] buffer). A
-// thread converts one 4-byte word: 8 consecutive elements.
+// thread converts four consecutive words (one 16-byte load), each 8 consecutive elements; the
+// codes' values come from a table in shared memory (the conversion is otherwise ALU-bound).
 extern "C" __global__ void __launch_bounds__(256) fp4_weight_bf16(const u8* __restrict__ w, const u8* __restrict__ s,
                                                                   u16* __restrict__ out, i64 rows, int N, int K,
                                                                   i64 out_stride) {
   pdl_begin();
-  const i64 word = (i64)blockIdx.x * 256 + threadIdx.x;
-  const int words_per_row = K / 8;
-  if (word >= rows * words_per_row) return;
-  const i64 r = word / words_per_row;
-  const int in_row = (int)(word % words_per_row), chunk = in_row >> 4, moved = in_row & 15;
-  const int old = (moved & 3) * 4 + (moved >> 2);  // new word 4t + i held old word 4i + t
-  const int col = chunk * 128 + old * 8;
-  const u32 packed = reinterpret_cast<const u32*>(w)[word];
-  const float scale = e8m0_to_f32(s[r * (K / 32) + col / 32]);
-  float v[8];
+  __shared__ float value[16];
+  if (threadIdx.x < 16) value[threadIdx.x] = e2m1_value(threadIdx.x);
+  __syncthreads();
+  const i64 quad = (i64)blockIdx.x * 256 + threadIdx.x;
+  const int quads_per_row = K / 32;
+  if (quad >= rows * quads_per_row) return;
+  const i64 r = quad / quads_per_row;
+  const uint4 packed = reinterpret_cast<const uint4*>(w)[quad];
+  const u8* scales = s + r * (K / 32);
+  u16* row_out = out + (r / N) * out_stride + (r % N) * (i64)K;
+  const int first = (int)(quad % quads_per_row) * 4;  // the row's word index of packed.x
 #pragma unroll
-  for (int b = 0; b < 4; ++b) {
-    const u32 byte = packed >> (8 * b);
-    v[2 * b] = e2m1_value(byte & 0xf) * scale;  // even element: the low nibble
-    v[2 * b + 1] = e2m1_value((byte >> 4) & 0xf) * scale;
+  for (int q = 0; q < 4; ++q) {
+    const int in_row = first + q, chunk = in_row >> 4, moved = in_row & 15;
+    const int col = chunk * 128 + ((moved & 3) * 4 + (moved >> 2)) * 8;  // new word 4t + i held old word 4i + t
+    const u32 word = q == 0 ? packed.x : q == 1 ? packed.y : q == 2 ? packed.z : packed.w;
+    const float scale = e8m0_to_f32(scales[col / 32]);
+    u32 o[4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b)  // even element: the low nibble
+      o[b] = bf16x2(value[(word >> (8 * b)) & 0xf] * scale, value[(word >> (8 * b + 4)) & 0xf] * scale);
+    *reinterpret_cast<uint4*>(row_out + col) = make_uint4(o[0], o[1], o[2], o[3]);
   }
-  uint4 o;
-  o.x = bf16x2(v[0], v[1]);
-  o.y = bf16x2(v[2], v[3]);
-  o.z = bf16x2(v[4], v[5]);
-  o.w = bf16x2(v[6], v[7]);
-  *reinterpret_cast<uint4*>(out + (r / N) * out_stride + (r % N) * (i64)K + col) = o;
 }
 
 // The experts' SwiGLU as layers.Expert computes it: up clamped to [-limit, limit], gate to at most

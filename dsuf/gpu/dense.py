@@ -47,9 +47,9 @@ def fp4_weight_bf16(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | No
         out = torch.empty((e, n, k), dtype=torch.bfloat16, device=w.device)
     if out.dtype != torch.bfloat16 or tuple(out.shape) != (e, n, k) or out.stride()[1:] != (k, 1):
         raise ValueError(f"fp4_weight_bf16: out must be bf16 [{e}, {n}, {k}] with contiguous experts")
-    words = e * n * k // 8
+    quads = e * n * k // 32  # 16-byte loads: 32 elements
     get_kernel("dequant", "fp4_weight_bf16", w.device)(
-        (math.ceil(words / 256), 1, 1), 256,
+        (math.ceil(quads / 256), 1, 1), 256,
         [ptr(w), ptr(scale), ptr(out), ctypes.c_int64(e * n), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int64(out.stride(0))],
     )
     return out
@@ -72,8 +72,8 @@ def act_fake_quant(x: torch.Tensor) -> torch.Tensor:
 
 def act_dequant(xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
     """An act_quant result (e4m3 [M, K], float32 scales [M, K/128]) as bf16 values (exact)."""
-    m, k = xq.shape
-    return (xq.float().view(m, k // 128, 128) * sx.unsqueeze(-1)).view(m, k).to(torch.bfloat16)
+    m, k = xq.shape  # e4m3 values and power-of-two scales are bf16 values, and so are their products
+    return (xq.to(torch.bfloat16).view(m, k // 128, 128) * sx.to(torch.bfloat16).unsqueeze(-1)).view(m, k)
 
 
 def mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
