@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Literal
+
+import msgspec
 
 from dsuf.ipc.messages import Restore, SeqWork, SnapshotWrite, Step, StepDone
 from dsuf.kvcache.snapshot import PrefixHasher
@@ -77,6 +80,12 @@ class Request:
     conversation: str | None = None  # the client's conversation id (prompt_cache_key / X-Conversation-Id)
     output: list[int] = field(default_factory=list)  # sampled tokens (to name the closing snapshot)
     closing: list[int] | None = None  # finished: tokens still to feed for the closing snapshot
+
+    def __post_init__(self) -> None:
+        # A seed chosen here, not in each worker: the ranks of a tensor-parallel model all sample
+        # (to look ahead) and must draw the same tokens.
+        if self.params.seed is None:
+            self.params = msgspec.structs.replace(self.params, seed=secrets.randbits(63))
 
     def use_cached(self, cached: int, restore: Restore, pin: ExitStack) -> None:
         """Start from a snapshot of the first `cached` prompt tokens."""

@@ -27,18 +27,29 @@ log = logging.getLogger("dsuf.worker")
 
 
 class Worker:
-    """`leader`: this worker samples and takes snapshots. The other ranks of a tensor-parallel
-    model run the same steps (their forward passes meet in collectives) and report no tokens."""
+    """`leader`: this worker reports tokens and takes snapshots. The other ranks of a
+    tensor-parallel model run the same steps (their forward passes meet in collectives) and report
+    no tokens.
 
-    def __init__(self, model, num: Numerics, revision: str, arena: Arena | None = None, leader: bool = True) -> None:
+    `lookahead` (the GPU path): once a step's tokens are sampled, the worker feeds each of them
+    to its sequence right away, before it reports them, so the GPU computes the next step while
+    the report travels to the front end and the next step comes back. The front end always feeds
+    a sampled token next (a decode step, or the first token of a closing feed), so that step
+    finds the token already fed and its logits ready; a sequence that ends instead is released,
+    and its extra token is dropped with it. Every rank samples (the same logits and seeds give the
+    same tokens), so every rank looks ahead alike."""
+
+    def __init__(self, model, num: Numerics, revision: str, arena: Arena | None = None, leader: bool = True, lookahead: bool = False) -> None:
         self.model = model
         self.leader = leader
+        self.lookahead = lookahead
         self.num = num
         self.revision = revision
         self.arena = arena
         self.states: dict[int, SequenceState] = {}
         self.samplers: dict[int, Sampler] = {}
         self.snapshots: dict[str, bytes] = {}  # made, waiting for their SnapshotWrite
+        self.ahead: dict[int, tuple[int, torch.Tensor]] = {}  # seq -> (the token fed ahead, the logits after it)
 
     def run_step(self, step: Step) -> StepDone:
         """Run every sequence of the step in one batched forward, then sample each."""
@@ -58,6 +69,8 @@ class Worker:
                 vocab = self.model.config.vocab_size
                 if not work.tokens or not all(0 <= t < vocab for t in work.tokens):
                     raise ValueError(f"tokens must be a non-empty list of ids in [0, {vocab})")
+                if work.seq in self.ahead and self.ahead[work.seq][0] != work.tokens[0]:  # the front end feeds the sampled token next
+                    raise RuntimeError(f"sequence {work.seq}: its look-ahead failed, or the step does not feed the sampled token first")
                 runnable.append(work)
             except SnapshotError as exc:  # a bad cached prefix costs a recompute, never the request
                 log.warning("sequence %d: cached prefix refused (%s); recomputing", work.seq, exc)
@@ -67,24 +80,62 @@ class Worker:
                 outputs.append(self._fail(work.seq, exc))
         made: list[SnapshotMade] = []
         try:
-            batch = [(torch.tensor(w.tokens, dtype=torch.int64), self.states[w.seq]) for w in runnable]
-            logits = self.model.forward_batch(batch, self.num) if batch else []
+            logits = self._forward(runnable)
         except Exception as exc:  # states of this batch are no longer trustworthy: end these sequences
             outputs += [self._fail(w.seq, exc) for w in runnable]
             return StepDone(step.step, outputs, time.perf_counter() - began, made, written)
+        sampled: list[tuple[int, int]] = []
         for work, row in zip(runnable, logits):
             try:
-                choice = self.samplers[work.seq].sample(row[-1]) if work.sample and self.leader else None
-                outputs.append(SeqOutput(work.seq, choice=choice))
+                choice = self.samplers[work.seq].sample(row[-1]) if work.sample and (self.leader or self.lookahead) else None
+                outputs.append(SeqOutput(work.seq, choice=choice if self.leader else None))
             except Exception as exc:
                 outputs.append(self._fail(work.seq, exc))
                 continue
+            if choice is not None:
+                sampled.append((work.seq, choice.token))
             if work.snapshot is not None and self.leader:
                 try:
                     made.append(self._snapshot(work.seq, work.snapshot))
                 except Exception:  # a snapshot is an optimisation: losing one never fails the request
                     log.exception("sequence %d: snapshot not taken", work.seq)
+        if self.lookahead and sampled:
+            self._look_ahead(sampled)
         return StepDone(step.step, outputs, time.perf_counter() - began, made, written)
+
+    def _forward(self, runnable: list[SeqWork]) -> list[torch.Tensor]:
+        """Each work's logits after its tokens, [n, vocab]: one batched forward of what is not fed
+        yet (a sequence looked ahead has its first token fed, and maybe nothing left to feed)."""
+        logits: list[torch.Tensor | None] = [None] * len(runnable)
+        batch, rows = [], []
+        for i, w in enumerate(runnable):
+            tokens = w.tokens
+            if w.seq in self.ahead:
+                _, logits[i] = self.ahead.pop(w.seq)
+                tokens = tokens[1:]
+            if tokens:
+                batch.append((torch.tensor(tokens, dtype=torch.int64), self.states[w.seq]))
+                rows.append(i)
+        for i, row in zip(rows, self.model.forward_batch(batch, self.num) if batch else []):
+            logits[i] = row
+        return logits  # type: ignore[return-value]
+
+    def _look_ahead(self, sampled: list[tuple[int, int]]) -> None:
+        """Feed each sequence its sampled token now (the GPU runs it while the step is reported);
+        not one whose context is full (the front end ends it)."""
+        limit = getattr(self.model, "max_context", None)
+        sampled = [(seq, token) for seq, token in sampled if limit is None or self.states[seq].pos < limit]
+        if not sampled:
+            return
+        try:
+            logits = self.model.forward_batch([(torch.tensor([token]), self.states[seq]) for seq, token in sampled], self.num)
+        except Exception:  # their states are no longer trustworthy: the next step fails them
+            log.exception("looking ahead failed")
+            for seq, _ in sampled:
+                self.ahead[seq] = (-1, torch.empty(0))
+            return
+        for (seq, token), row in zip(sampled, logits):
+            self.ahead[seq] = (token, row)
 
     # ---- snapshots (conversation caches) ---------------------------------------------------------
 
@@ -113,6 +164,7 @@ class Worker:
         return written
 
     def _drop(self, seq: int) -> None:
+        self.ahead.pop(seq, None)
         state = self.states.pop(seq, None)
         if state is not None:
             self.model.free(state)
@@ -164,7 +216,8 @@ def serve(args: argparse.Namespace) -> int:
         began = time.perf_counter()
         model = load_worker_model(args)
         num = Numerics.parse(args.numerics)
-        worker = Worker(model, num, args.revision, Arena.attach(args.arena) if args.arena else None, leader=args.tp_rank == 0)
+        worker = Worker(model, num, args.revision, Arena.attach(args.arena) if args.arena else None, leader=args.tp_rank == 0,
+                        lookahead=args.gpu is not None)
         c = model.config
         outbox.send(Ready(model=c.name, vocab_size=c.vocab_size, eos_token_id=c.eos_token_id, load_seconds=time.perf_counter() - began))
     except Exception as exc:
