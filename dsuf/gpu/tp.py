@@ -117,6 +117,9 @@ def start(rank: int, world: int, init_method: str, device: torch.device, kind: s
     large messages) or "nccl". NCCL's communicator is set up here, not on a first request."""
     for key, off in MULTICAST_OFF.items():  # NVLink multicast stays off on these machines
         os.environ.setdefault(key, off)
+    # No NCCL heartbeat thread: it only reports (noisily) that rank 0's store went away when the
+    # server stops; a dead peer is caught by the engine, which stops every worker.
+    os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
     torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
