@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from dsuf.engine.scheduler import ErrorEvent, FinishEvent, QueueFull, Request, Scheduler, TokenEvent
@@ -13,12 +11,7 @@ from dsuf.worker.sampling import SamplingParams, TokenChoice
 EOS = 1
 
 
-@pytest.fixture(autouse=True)
-def event_loop_for_queues():
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    yield
-    loop.close()
+pytestmark = pytest.mark.usefixtures("event_loop_for_queues")  # requests put their events on asyncio queues
 
 
 def request(prompt_len: int = 5, max_tokens: int = 10) -> Request:

@@ -6,8 +6,6 @@ request joining mid-way. The scheduler drives a real worker over the tiny refere
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from dsuf.engine.scheduler import FinishEvent, Request, Scheduler, TokenEvent
@@ -20,12 +18,7 @@ from dsuf.worker.sampling import SamplingParams
 NUM = Numerics()
 
 
-@pytest.fixture(autouse=True)
-def event_loop_for_queues():
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    yield
-    loop.close()
+pytestmark = pytest.mark.usefixtures("event_loop_for_queues")  # requests put their events on asyncio queues
 
 
 @pytest.fixture(scope="module")
