@@ -120,6 +120,9 @@ class GpuModel:
         self.buckets = [b for b in BUCKETS if b < rows] + [rows]
         self.dev_in = torch.zeros((3, rows), dtype=torch.int64, device=device)  # ids, slots, positions
         self.dev_runs = torch.zeros(rows + 1, dtype=torch.int32, device=device)  # rows of run r: runs[r] .. runs[r + 1] - 1
+        # Their pinned host copies: a step's inputs go over without waiting for the steps before.
+        self.host_in, self.host_runs = self.dev_in.cpu().pin_memory(), self.dev_runs.cpu().pin_memory()
+        self.staged = torch.cuda.Event()  # the last copy from them is done once this has passed
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
         # Compile every kernel (NVRTC, cached on disk) and capture the batch-1 step now, so that the
@@ -198,21 +201,27 @@ class GpuModel:
             logits = torch.mm(h, self.head.t(), out_dtype=torch.float32)
         return self.tp.collective.all_gather(logits) if self.tp else logits  # a rank holds a slice of the vocabulary
 
-    def step(self, rows: list[tuple[int, int, int]]) -> torch.Tensor:
+    def step(self, rows: list[tuple[int, int, int]], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Feed one token to each (slot, position, token id); logits float32 [len(rows), vocab] on
         the device. Rows of one slot must be adjacent, at consecutive positions, at most
-        PREFILL_CHUNK of them."""
+        PREFILL_CHUNK of them. `ids`: the token ids as an int64 tensor [len(rows)] on the device
+        instead (tokens sampled there, not read yet): the step is queued without waiting for them."""
         n = len(rows)
         bucket = next(b for b in self.buckets if b >= n)
         if self.graphs and bucket not in self._graphs:
             self._capture(bucket)
-        inputs = torch.zeros((3, self.buckets[-1]), dtype=torch.int64)  # padding rows: slot 0 (scratch), position 0, token 0
-        inputs[:, :n] = torch.tensor([[t for _, _, t in rows], [s for s, _, _ in rows], [p for _, p, _ in rows]]).view(3, n)
         # A run per slot (its rows join its compressor states in order); every padding row its own.
         starts = [i for i in range(n) if i == 0 or rows[i][0] != rows[i - 1][0]] + list(range(n, bucket + 1))
-        runs = torch.tensor(starts + [bucket] * (self.buckets[-1] + 1 - len(starts)), dtype=torch.int32)  # then empty runs
-        self.dev_in.copy_(inputs)  # a blocking copy: the previous step's replay has read its inputs by now
-        self.dev_runs.copy_(runs)
+        self.staged.synchronize()  # the pinned buffers' previous copy is made: they may be written
+        self.host_in.zero_()  # padding rows: slot 0 (scratch), position 0, token 0
+        self.host_in[:, :n] = torch.tensor([[t for _, _, t in rows], [s for s, _, _ in rows], [p for _, p, _ in rows]]).view(3, n)
+        self.host_runs[: len(starts)] = torch.tensor(starts, dtype=torch.int32)
+        self.host_runs[len(starts) :] = bucket  # then empty runs
+        self.dev_in.copy_(self.host_in, non_blocking=True)  # stream-ordered after the last replay's reads
+        self.dev_runs.copy_(self.host_runs, non_blocking=True)
+        if ids is not None:
+            self.dev_in[0, :n].copy_(ids)
+        self.staged.record()
         if not self.graphs:
             return self._step(bucket)[:n]
         graph, logits = self._graphs[bucket]
@@ -234,10 +243,13 @@ class GpuModel:
     def forward_batch(self, batch: list[tuple[torch.Tensor, GpuSequence]], num: Numerics | None = None) -> list[torch.Tensor]:
         """The reference model's contract: feed each sequence its new tokens, return the logits
         after each sequence's last new token (float32 [1, vocab], on the GPU: the worker samples
-        there, and only the chosen token crosses to the host)."""
+        there, and only the chosen token crosses to the host). Tokens on the GPU (the worker's
+        look-ahead: sampled, not read yet) go one a sequence, for every sequence of the batch."""
         for tokens, seq in batch:
             if seq.pos + len(tokens) > self.max_context:
                 raise ValueError(f"a sequence of {seq.pos + len(tokens)} tokens exceeds this worker's context of {self.max_context}")
+        if any(tokens.is_cuda for tokens, _ in batch):
+            return self._feed_device_tokens(batch)
         out: list[torch.Tensor | None] = [None] * len(batch)
         fed = [0] * len(batch)
         for i, (tokens, seq) in enumerate(batch):
@@ -260,6 +272,16 @@ class GpuModel:
             for i, row in last:
                 out[i] = logits[row : row + 1].clone()  # the graph's output buffer is reused
         return out  # type: ignore[return-value]
+
+    def _feed_device_tokens(self, batch: list[tuple[torch.Tensor, GpuSequence]]) -> list[torch.Tensor]:
+        """One step of one token a sequence, the tokens on the device (the worker's look-ahead)."""
+        if not all(tokens.is_cuda and tokens.numel() == 1 for tokens, _ in batch) or len(batch) > self.max_batch:
+            raise ValueError(f"tokens on the device go one a sequence, for every sequence of the step (at most {self.max_batch})")
+        rows = [(seq.slot, seq.pos, 0) for _, seq in batch]
+        logits = self.step(rows, ids=torch.cat([tokens.view(1) for tokens, _ in batch]).to(self.device, torch.int64))
+        for _, seq in batch:
+            seq.pos += 1
+        return [logits[i : i + 1].clone() for i in range(len(batch))]
 
     # ---- conversation caches: the reference's SequenceState on the host --------------------------
 

@@ -21,7 +21,7 @@ from dsuf.kvcache.arena import Arena
 from dsuf.kvcache.snapshot import Named, SnapshotError, restore_state, snapshot_state
 from dsuf.model.layers import Numerics
 from dsuf.model.state import SequenceState
-from dsuf.worker.sampling import Sampler
+from dsuf.worker.sampling import Draw, Sampler
 
 log = logging.getLogger("dsuf.worker")
 
@@ -49,7 +49,7 @@ class Worker:
         self.states: dict[int, SequenceState] = {}
         self.samplers: dict[int, Sampler] = {}
         self.snapshots: dict[str, bytes] = {}  # made, waiting for their SnapshotWrite
-        self.ahead: dict[int, tuple[int, torch.Tensor]] = {}  # seq -> (the token fed ahead, the logits after it)
+        self.ahead: dict[int, tuple[int, torch.Tensor | None]] = {}  # seq -> (the token fed ahead, the logits after it)
 
     def run_step(self, step: Step) -> StepDone:
         """Run every sequence of the step in one batched forward, then sample each."""
@@ -84,23 +84,32 @@ class Worker:
         except Exception as exc:  # states of this batch are no longer trustworthy: end these sequences
             outputs += [self._fail(w.seq, exc) for w in runnable]
             return StepDone(step.step, outputs, time.perf_counter() - began, made, written)
-        sampled: list[tuple[int, int]] = []
+        draws: list[tuple[int, Draw]] = []
         for work, row in zip(runnable, logits):
             try:
-                choice = self.samplers[work.seq].sample(row[-1]) if work.sample and (self.leader or self.lookahead) else None
-                outputs.append(SeqOutput(work.seq, choice=choice if self.leader else None))
+                if work.sample and (self.leader or self.lookahead):
+                    draws.append((work.seq, self.samplers[work.seq].draw(row[-1])))
+                else:
+                    outputs.append(SeqOutput(work.seq))
             except Exception as exc:
                 outputs.append(self._fail(work.seq, exc))
                 continue
-            if choice is not None:
-                sampled.append((work.seq, choice.token))
             if work.snapshot is not None and self.leader:
                 try:
                     made.append(self._snapshot(work.seq, work.snapshot))
                 except Exception:  # a snapshot is an optimisation: losing one never fails the request
                     log.exception("sequence %d: snapshot not taken", work.seq)
-        if self.lookahead and sampled:
-            self._look_ahead(sampled)
+        if self.lookahead and draws:  # queued behind this step on the device, before its tokens are read
+            self._look_ahead(draws)
+        for seq, draw in draws:
+            try:
+                choice = draw.choice()
+            except Exception as exc:
+                outputs.append(self._fail(seq, exc))
+                continue
+            outputs.append(SeqOutput(seq, choice=choice if self.leader else None))
+            if seq in self.ahead and self.ahead[seq][1] is not None:
+                self.ahead[seq] = (choice.token, self.ahead[seq][1])
         return StepDone(step.step, outputs, time.perf_counter() - began, made, written)
 
     def _forward(self, runnable: list[SeqWork]) -> list[torch.Tensor]:
@@ -120,22 +129,21 @@ class Worker:
             logits[i] = row
         return logits  # type: ignore[return-value]
 
-    def _look_ahead(self, sampled: list[tuple[int, int]]) -> None:
-        """Feed each sequence its sampled token now (the GPU runs it while the step is reported);
-        not one whose context is full (the front end ends it)."""
+    def _look_ahead(self, draws: list[tuple[int, Draw]]) -> None:
+        """Feed each sequence its drawn token now, as the device holds it (the GPU runs it while
+        the step is reported); not one whose context is full (the front end ends it). The token
+        each was fed is filled in once it is read."""
         limit = getattr(self.model, "max_context", None)
-        sampled = [(seq, token) for seq, token in sampled if limit is None or self.states[seq].pos < limit]
-        if not sampled:
+        draws = [(seq, draw) for seq, draw in draws if limit is None or self.states[seq].pos < limit]
+        if not draws:
             return
         try:
-            logits = self.model.forward_batch([(torch.tensor([token]), self.states[seq]) for seq, token in sampled], self.num)
+            logits = self.model.forward_batch([(draw.token, self.states[seq]) for seq, draw in draws], self.num)
         except Exception:  # their states are no longer trustworthy: the next step fails them
             log.exception("looking ahead failed")
-            for seq, _ in sampled:
-                self.ahead[seq] = (-1, torch.empty(0))
-            return
-        for (seq, token), row in zip(sampled, logits):
-            self.ahead[seq] = (token, row)
+            logits = [None] * len(draws)
+        for (seq, _), row in zip(draws, logits):
+            self.ahead[seq] = (-1, row)  # -1 until the token is read; stays -1 if the look-ahead failed
 
     # ---- snapshots (conversation caches) ---------------------------------------------------------
 

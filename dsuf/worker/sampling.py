@@ -151,7 +151,8 @@ class Sampler:
         return x
 
     def record(self, token: int) -> None:
-        """Count `token` as generated (for penalties); `sample` does this itself."""
+        """Count `token` as generated (for penalties), e.g. a token restored after preemption;
+        `sample` and `draw` do this themselves."""
         if not 0 <= token < self.vocab_size:
             raise ValueError(f"token {token} outside the vocabulary [0, {self.vocab_size})")
         if self._counts is not None:
@@ -162,18 +163,23 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> TokenChoice:
         """Pick the next token from this sequence's logits [vocab] and record it for penalties."""
+        return self.draw(logits).choice()
+
+    def draw(self, logits: torch.Tensor) -> Draw:
+        """`sample` without waiting for the device: the token stays a tensor on the logits' device
+        (the GPU path feeds it to the next step before the host reads it); `Draw.choice` reads it.
+        The token is recorded for penalties on the device."""
         p = self.params
         x = self.processed_logits(logits)
         logprobs = torch.log_softmax(x, dim=-1)
         if p.forced and self.num_generated < len(p.forced):
-            token = p.forced[self.num_generated]
+            token = torch.full((1,), p.forced[self.num_generated], dtype=torch.int64, device=x.device)
         elif self.greedy:
-            token = int(torch.argmax(x))  # first maximum: ties go to the lowest id
+            token = torch.argmax(x).view(1)  # first maximum: ties go to the lowest id
         else:
             scaled = x / p.temperature
             if self.top_k == 0 and p.top_p >= 1.0:
-                probs = torch.softmax(scaled, dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=self._generator))
+                token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=self._generator)
             else:
                 # Stable descending sort: equal logits keep ascending ids, so truncation prefers low ids.
                 values, ids = torch.sort(scaled, descending=True, stable=True)
@@ -185,13 +191,24 @@ class Sampler:
                     drop = mass_before >= p.top_p
                     drop[0] = False
                     probs = probs.masked_fill(drop, 0.0)
-                token = int(ids[torch.multinomial(probs, 1, generator=self._generator)])
-        logprob = float(logprobs[token])
-        if not math.isfinite(logprob) and not p.forced:  # every logit -inf, or NaN from the model
+                token = ids[torch.multinomial(probs, 1, generator=self._generator)]
+        top = torch.topk(logprobs, min(p.top_logprobs, self.vocab_size)) if p.top_logprobs else None
+        if self._counts is not None:
+            self._counts.index_add_(0, token, torch.ones(1, dtype=self._counts.dtype, device=token.device))
+        self.num_generated += 1
+        return Draw(token, logprobs.gather(0, token), top, bool(p.forced))
+
+
+class Draw:
+    """A token drawn on the device (`token`: int64 [1]) and what its TokenChoice needs."""
+
+    def __init__(self, token: torch.Tensor, logprob: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None, forced: bool) -> None:
+        self.token, self._logprob, self._top, self._forced = token, logprob, top, forced
+
+    def choice(self) -> TokenChoice:
+        """The token and its log-probability on the host (waits for the device)."""
+        token, logprob = int(self.token), float(self._logprob)
+        if not math.isfinite(logprob) and not self._forced:  # every logit -inf, or NaN from the model
             raise ValueError(f"no valid token to sample: processed logits are not finite (picked {token}, logprob {logprob})")
-        top = None
-        if p.top_logprobs:
-            values, ids = torch.topk(logprobs, min(p.top_logprobs, self.vocab_size))
-            top = list(zip(ids.tolist(), values.tolist()))
-        self.record(token)
+        top = list(zip(self._top.indices.tolist(), self._top.values.tolist())) if self._top is not None else None
         return TokenChoice(token, logprob, top)

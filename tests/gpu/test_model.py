@@ -234,6 +234,27 @@ def test_cuda_graph_replays_equal_eager_steps(models) -> None:
     assert torch.equal(replayed, eager)
 
 
+def test_tokens_still_on_the_gpu_feed_what_the_same_tokens_from_the_host_feed(models) -> None:
+    """The worker's look-ahead feeds sampled tokens before the host has read them: the same
+    logits, bit for bit, as the same tokens given from the host."""
+    c, gpu, _, device = models
+    prompt = torch.randint(0, c.vocab_size, (20,))
+    nxt = torch.randint(0, c.vocab_size, (2,))
+    seqs = [gpu.new_state(), gpu.new_state()]
+    for seq in seqs:
+        gpu.forward_batch([(prompt, seq)])
+    from_host = gpu.forward_batch([(nxt[i : i + 1], seq) for i, seq in enumerate(seqs)])
+    for seq in seqs:
+        gpu.free(seq)
+    seqs = [gpu.new_state(), gpu.new_state()]
+    for seq in seqs:
+        gpu.forward_batch([(prompt, seq)])
+    from_gpu = gpu.forward_batch([(nxt[i : i + 1].to(device), seq) for i, seq in enumerate(seqs)])
+    assert all(torch.equal(a, b) for a, b in zip(from_host, from_gpu)) and all(seq.pos == 21 for seq in seqs)
+    for seq in seqs:
+        gpu.free(seq)
+
+
 def test_sequences_beyond_the_context_or_the_slots_are_refused(models) -> None:
     c, gpu, _, _ = models
     seq = gpu.new_state()
