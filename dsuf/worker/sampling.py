@@ -12,7 +12,8 @@ Order of operations for one token (every step is out of place; the caller's logi
 4. otherwise: divide by the temperature, keep the top-k (ties broken towards lower ids, so
    ``top_k=1`` is exactly greedy), softmax over what is kept, keep the nucleus (the smallest prefix
    of the descending probabilities whose mass reaches ``top_p``; the top token is always kept),
-   and draw with `torch.multinomial` from the sequence's own `torch.Generator`.
+   and draw as `torch.multinomial` draws one sample (argmax of probabilities over Exp(1) noise)
+   from the sequence's own `torch.Generator`, without waiting for the device.
 
 Reported log-probabilities (`TokenChoice.logprob` and `.top`) are ``log_softmax`` of the processed
 logits at temperature 1, before temperature, top-k and top-p: vLLM's default ("processed logprobs"
@@ -179,7 +180,7 @@ class Sampler:
         else:
             scaled = x / p.temperature
             if self.top_k == 0 and p.top_p >= 1.0:
-                token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=self._generator)
+                token = self._race(torch.softmax(scaled, dim=-1))
             else:
                 # Stable descending sort: equal logits keep ascending ids, so truncation prefers low ids.
                 values, ids = torch.sort(scaled, descending=True, stable=True)
@@ -191,12 +192,20 @@ class Sampler:
                     drop = mass_before >= p.top_p
                     drop[0] = False
                     probs = probs.masked_fill(drop, 0.0)
-                token = ids[torch.multinomial(probs, 1, generator=self._generator)]
+                token = ids[self._race(probs)]
         top = torch.topk(logprobs, min(p.top_logprobs, self.vocab_size)) if p.top_logprobs else None
         if self._counts is not None:
             self._counts.index_add_(0, token, torch.ones(1, dtype=self._counts.dtype, device=token.device))
         self.num_generated += 1
         return Draw(token, logprobs.gather(0, token), top, bool(p.forced))
+
+
+    def _race(self, probs: torch.Tensor) -> torch.Tensor:
+        """One draw from probs: argmax of probs / Exp(1) noise, which is how torch.multinomial
+        draws one sample (the same tokens for the same generator), without its check of the
+        probabilities on the host, which would wait for the device."""
+        noise = torch.empty_like(probs).exponential_(1, generator=self._generator)
+        return torch.argmax(probs / noise).view(1)
 
 
 class Draw:
