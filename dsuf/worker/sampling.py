@@ -209,15 +209,31 @@ class Sampler:
 
 
 class Draw:
-    """A token drawn on the device (`token`: int64 [1]) and what its TokenChoice needs."""
+    """A token drawn on the device (`token`: int64 [1]) and what its TokenChoice needs, on their
+    way to the host: copied as soon as they are computed, so that reading them waits for the draw
+    and not for what is queued on the device after it (the next step, when the worker looks ahead)."""
 
     def __init__(self, token: torch.Tensor, logprob: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None, forced: bool) -> None:
-        self.token, self._logprob, self._top, self._forced = token, logprob, top, forced
+        self.token, self._forced = token, forced
+        parts = [token, logprob.double(), *(top.indices, top.values.double())] if top is not None else [token, logprob.double()]
+        self._k = top.indices.numel() if top is not None else 0
+        values = torch.cat([t.double() for t in parts])  # token ids are exact in float64
+        self._ready: torch.cuda.Event | None = None
+        if values.is_cuda:
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = values
 
     def choice(self) -> TokenChoice:
-        """The token and its log-probability on the host (waits for the device)."""
-        token, logprob = int(self.token), float(self._logprob)
+        """The token and its log-probability on the host (waits for the draw only)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        values = self._host.tolist()
+        token, logprob = int(values[0]), values[1]
         if not math.isfinite(logprob) and not self._forced:  # every logit -inf, or NaN from the model
             raise ValueError(f"no valid token to sample: processed logits are not finite (picked {token}, logprob {logprob})")
-        top = list(zip(self._top.indices.tolist(), self._top.values.tolist())) if self._top is not None else None
+        top = list(zip((int(i) for i in values[2 : 2 + self._k]), values[2 + self._k :])) if self._k else None
         return TokenChoice(token, logprob, top)
