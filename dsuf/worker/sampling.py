@@ -199,7 +199,6 @@ class Sampler:
         self.num_generated += 1
         return Draw(token, logprobs.gather(0, token), top, bool(p.forced))
 
-
     def _race(self, probs: torch.Tensor) -> torch.Tensor:
         """One draw from probs: argmax of probs / Exp(1) noise, which is how torch.multinomial
         draws one sample (the same tokens for the same generator), without its check of the
