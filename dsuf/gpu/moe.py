@@ -172,14 +172,10 @@ class Moe:
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A prompt chunk's (routed outputs in pair order, shared output), both bf16: the pairs
         sorted by expert through torch._grouped_mm over the experts' bf16 copy, made
-        EXPERT_COPY_BYTES at a time on a side stream while the GEMMs of the group before run (the
-        copy is bound by memory, the GEMMs by compute); the shared expert through cuBLAS (dense.py)."""
+        EXPERT_COPY_BYTES at a time; the shared expert through cuBLAS (dense.py)."""
         t, k = idx.shape
         r = self.routed
         n_experts, inter, dim = r.w1.shape[0], r.inter, r.dim
-        main = torch.cuda.current_stream(x.device)
-        if self.side is None:
-            self.side = torch.cuda.Stream(x.device)
         xf = act_fake_quant(x)
         expert = idx.reshape(-1).long()
         order = torch.argsort(expert, stable=True)
@@ -188,35 +184,20 @@ class Moe:
         xs = xf.index_select(0, order // k)
         route_w = weights.reshape(-1).float().index_select(0, order)
         y_sorted = torch.empty((t * k, dim), dtype=torch.bfloat16, device=x.device)
-        size = max(1, EXPERT_COPY_BYTES // (3 * inter * dim * 2))
-        groups = [(lo, min(n_experts, lo + size)) for lo in range(0, n_experts, size)]
-        groups = [(lo, hi) for lo, hi in groups if bounds[lo] != bounds[hi]]
-
-        def copy(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
-            """Experts lo..hi-1 as bf16 (w1 and w3 side by side, w2), made on the side stream."""
-            with torch.cuda.stream(self.side):
-                w13 = torch.empty((hi - lo, 2 * inter, dim), dtype=torch.bfloat16, device=x.device)
-                fp4_weight_bf16(r.w1[lo:hi], r.s1[lo:hi], out=w13[:, :inter])
-                fp4_weight_bf16(r.w3[lo:hi], r.s3[lo:hi], out=w13[:, inter:])
-                w2 = fp4_weight_bf16(r.w2[lo:hi], r.s2[lo:hi])
-                made = torch.cuda.Event()
-                made.record()
-            w13.record_stream(main)
-            w2.record_stream(main)
-            return w13, w2, made
-
-        self.side.wait_stream(main)
-        ahead = copy(*groups[0]) if groups else None
-        for i, (lo, hi) in enumerate(groups):
-            w13, w2, made = ahead
-            ahead = copy(*groups[i + 1]) if i + 1 < len(groups) else None
-            main.wait_event(made)
+        group = max(1, EXPERT_COPY_BYTES // (3 * inter * dim * 2))
+        for lo in range(0, n_experts, group):
+            hi = min(n_experts, lo + group)
             a, b = bounds[lo], bounds[hi]
+            if a == b:
+                continue
             offs = (ends[lo:hi] - a).to(torch.int32)
+            w13 = torch.empty((hi - lo, 2 * inter, dim), dtype=torch.bfloat16, device=x.device)
+            fp4_weight_bf16(r.w1[lo:hi], r.s1[lo:hi], out=w13[:, :inter])
+            fp4_weight_bf16(r.w3[lo:hi], r.s3[lo:hi], out=w13[:, inter:])
             gate_up = torch._grouped_mm(xs[a:b], w13.transpose(1, 2), offs=offs)
+            del w13
             h = act_fake_quant(swiglu(gate_up, self.limit, route_w[a:b]))
-            y_sorted[a:b] = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
-            del w13, w2
+            y_sorted[a:b] = torch._grouped_mm(h, fp4_weight_bf16(r.w2[lo:hi], r.s2[lo:hi]).transpose(1, 2), offs=offs)
         y_routed = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
         s = self.shared
         w13 = torch.cat((fp8_weight_bf16(s.w1, s.s1), fp8_weight_bf16(s.w3, s.s3)))
