@@ -2,8 +2,9 @@
 exactly the rank-ordered sum (the same bits on every rank, eager and replayed in CUDA graphs; fused
 with the mHC update, the same bits as unfused), and a
 model split over two ranks computes what the same model computes on one GPU, with the replicated
-state (KV caches, compressor states) identical on both ranks. Each rank runs in its own process,
-as in the server; they write what they computed for this process to check."""
+state (KV caches, compressor states) identical on both ranks, and workers that look ahead draw
+the same tokens on both. Each rank runs in its own process, as in the server; they write what they
+computed for this process to check."""
 
 from __future__ import annotations
 
@@ -126,8 +127,26 @@ def _model_rank(rank: int, init: str, out: Path, tokens: torch.Tensor) -> None:
     model = GpuModel(c, random_source(c, device, SEED, rank, WORLD), device, max_batch=4, max_context=4096, tp=tp)
     seq = model.new_state()
     logits = [g.cpu() for g in gpu_logits(model, tokens, PROMPT, seq)]
-    torch.save({"logits": logits, "state": model.export_state(seq)}, out / f"rank{rank}.pt")
+    state = model.export_state(seq)
+    torch.save({"logits": logits, "state": state, "drawn": _served_tokens(model, tokens)}, out / f"rank{rank}.pt")
     dist.barrier()
+
+
+def _served_tokens(model, tokens: torch.Tensor) -> list[int]:
+    """Tokens a worker looking ahead samples (temperature 1, top-p 0.95) for a prompt: every rank
+    samples, and feeds its own draws, so the ranks must draw the same ones. Every rank is a leader
+    here, to report its tokens."""
+    from dsuf.ipc.messages import SeqWork, Step
+    from dsuf.model.layers import Numerics
+    from dsuf.worker.main import Worker
+    from dsuf.worker.sampling import SamplingParams
+
+    worker = Worker(model, Numerics(), "rev", lookahead=True)
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    drawn = [worker.run_step(Step(1, [SeqWork(1, tokens[:40].tolist(), sample=True, params=params)])).outputs[0].choice.token]
+    for i in range(20):
+        drawn.append(worker.run_step(Step(2 + i, [SeqWork(1, [drawn[-1]], sample=True)])).outputs[0].choice.token)
+    return drawn
 
 
 def test_a_model_split_over_two_gpus_computes_what_one_gpu_computes(tmp_path) -> None:
@@ -144,6 +163,7 @@ def test_a_model_split_over_two_gpus_computes_what_one_gpu_computes(tmp_path) ->
     ranks = _spawn(_model_rank, tmp_path, tokens)
     for a, b in zip(ranks[0]["logits"], ranks[1]["logits"]):
         assert torch.equal(a, b)
+    assert ranks[0]["drawn"] == ranks[1]["drawn"] and len(set(ranks[0]["drawn"])) > 5  # sampled, not stuck
     assert all(torch.equal(a, b) for a, b in zip(state_tensors(ranks[0]["state"]), state_tensors(ranks[1]["state"])))
 
     device = torch.device("cuda", 0)
