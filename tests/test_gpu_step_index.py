@@ -8,6 +8,7 @@ the slots and hands its last W positions to the ring afterwards."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dsuf.gpu.layer import PREFILL_CHUNK, LayerCache, layer_rope, ring_size, step_index
@@ -27,7 +28,7 @@ SCRATCH = 2048
 
 def index_of(ratio: int, slots: list[int], positions: list[int], chunk: bool = False):
     cache = LayerCache.new(C, ratio, SLOTS, CONTEXT, torch.device("cpu"), scratch=SCRATCH)
-    scratch = (SLOTS * cache.stride, positions[0]) if chunk else None
+    scratch = cache.chunk_at(positions[0], len(positions)) if chunk else None
     ix = step_index(C, ratio, cache.n_max, layer_rope(C, ratio, torch.device("cpu")), torch.tensor(slots), torch.tensor(positions), scratch)
     return cache, ix
 
@@ -139,3 +140,10 @@ def test_a_prefill_chunk_sees_no_further_than_its_last_row() -> None:
         assert int((hca.attn_idx[row, W:] >= 0).sum()) == (positions[row] + 1) // 128
     _, csa = index_of(4, [1] * rows, positions, chunk=True)
     assert csa.max_keys == (start + rows) // 4 == int(csa.n_keys.max())
+
+
+def test_a_prefill_chunk_longer_than_the_scratch_is_refused() -> None:
+    cache = LayerCache.new(C, 4, SLOTS, CONTEXT, torch.device("cpu"), scratch=SCRATCH)
+    assert cache.chunk_at(7, SCRATCH) == (SLOTS * cache.stride, 7)
+    with pytest.raises(ValueError, match="scratch"):
+        cache.chunk_at(0, SCRATCH + 1)

@@ -101,6 +101,12 @@ class LayerCache:
             cache.idx_kv, cache.idx_score = compressor_state(slots, 4, c.index_head_dim, device)
         return cache
 
+    def chunk_at(self, first: int, rows: int) -> tuple[int, int]:
+        """step_index's `chunk` for a prefill chunk of `rows` rows from position `first`."""
+        if rows > self.scratch:
+            raise ValueError(f"a prefill chunk of {rows} rows exceeds the {self.scratch} scratch entries")
+        return self.slots * self.stride, first
+
     def window(self, c: ModelConfig, slot: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last W positions before `pos` of the sequence in `slot`: their rows in the
         reference's window ring (position % W) and their pool entries (int32, on the pool's device)."""
@@ -154,11 +160,11 @@ def step_index(c: ModelConfig, ratio: int, n_max: int, rope: Rope, slots: torch.
         ring_copy = ((scratch + tail - first).int(), (base[-w:] + tail % ring).int())
     cos, sin = rope.cos_sin(pos)
     if not ratio:
-        return StepIndex(pos.int(), cos, sin, write.int(), window.int().contiguous(), ring_copy=ring_copy, chunk_start=chunk and chunk[1])
+        return StepIndex(pos.int(), cos, sin, write.int(), window.int().contiguous(), ring_copy=ring_copy, chunk_start=chunk[1] if chunk else None)
     visible = (pos + 1) // ratio  # entries visible once this token is in
     comp_base = base + ring
     idx = StepIndex(pos.int(), cos, sin, write.int(), window.int(), (comp_base + pos // ratio).int(), comp_base.int(),
-                    ring_copy=ring_copy, chunk_start=chunk and chunk[1])
+                    ring_copy=ring_copy, chunk_start=chunk[1] if chunk else None)
     # A chunk's rows see at most the entries its last row sees (known here, unlike in a graph).
     most = n_max if chunk is None else max(1, (chunk[1] + pos.shape[0]) // ratio)
     if ratio == 4:

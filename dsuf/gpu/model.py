@@ -155,7 +155,7 @@ class GpuModel:
         out: dict[int, StepIndex] = {}
         for layer, cache in zip(self.layers, self.caches):
             if layer.ratio not in out:
-                chunk = None if chunk_start is None else (cache.slots * cache.stride, chunk_start)
+                chunk = None if chunk_start is None else cache.chunk_at(chunk_start, pos.shape[0])
                 out[layer.ratio] = step_index(self.config, layer.ratio, cache.n_max, layer.rope, slots, pos, chunk)
         return out
 
