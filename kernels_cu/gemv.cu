@@ -242,29 +242,18 @@ DSUF_DEVICE void gemv_body(const GemvParams& p) {
 // Registers: up to 85 a thread for 8 tokens of bf16 weights (3 CTAs an SM), else 128 up to 32
 // tokens (2 CTAs), more for 64.
 #define MIN_CTAS(FMT, MT) (FMT == FMT_BF16 && MT == 1 ? 3 : MT <= 4 ? 2 : 1)
-#define DSUF_GEMV(name, FMT, MT)                                                                   \
-  extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS(FMT, MT))                          \
-      name##_s1(const __grid_constant__ GemvParams p) { \
-    pdl_begin(); \
-    gemv_body<FMT, MT, 1>(p);                                                                      \
-  }                                                                                                \
-  extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, MIN_CTAS(FMT, MT)) \
-      name##_s2(const __grid_constant__ GemvParams p) { \
-    pdl_begin(); \
-    gemv_body<FMT, MT, 2>(p);                                                                      \
-  }                                                                                                \
-  extern "C" __global__ void __cluster_dims__(4, 1, 1) __launch_bounds__(THREADS, MIN_CTAS(FMT, MT)) \
-      name##_s4(const __grid_constant__ GemvParams p) { \
-    pdl_begin(); \
-    gemv_body<FMT, MT, 4>(p);                                                                      \
-  }                                                                                                \
-  extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(THREADS, MIN_CTAS(FMT, MT)) \
-      name##_s8(const __grid_constant__ GemvParams p) { \
-    pdl_begin(); \
-    gemv_body<FMT, MT, 8>(p);                                                                      \
+// One kernel per K split S: a thread-block cluster of S CTAs (none for S = 1).
+#define DSUF_GEMV_SPLIT(name, FMT, MT, S, CLUSTER)                                                          \
+  extern "C" __global__ void CLUSTER __launch_bounds__(THREADS, MIN_CTAS(FMT, MT)) name##_s##S(const __grid_constant__ GemvParams p) { \
+    pdl_begin();                                                                                            \
+    gemv_body<FMT, MT, S>(p);                                                                               \
   }
+#define DSUF_GEMV(name, FMT, MT)                                      \
+  DSUF_GEMV_SPLIT(name, FMT, MT, 1, )                                 \
+  DSUF_GEMV_SPLIT(name, FMT, MT, 2, __cluster_dims__(2, 1, 1))        \
+  DSUF_GEMV_SPLIT(name, FMT, MT, 4, __cluster_dims__(4, 1, 1))        \
+  DSUF_GEMV_SPLIT(name, FMT, MT, 8, __cluster_dims__(8, 1, 1))
 
-// bf16 weights, float32 out (kernel names gemv_bf16_m{8 MT}_s{S}).
 DSUF_GEMV(gemv_bf16_m8, FMT_BF16, 1)
 DSUF_GEMV(gemv_bf16_m16, FMT_BF16, 2)
 DSUF_GEMV(gemv_bf16_m32, FMT_BF16, 4)

@@ -156,11 +156,8 @@ class IpcCollective:
         out, x = torch.empty_like(partial), x.contiguous()
         y = torch.empty_like(x)
         post, comb = post.float().contiguous(), comb.float().contiguous()
-        piece = max(1, self.slot_bytes // (2 * d))  # (without bulk) a prompt chunk's rows go a staging slot at a time
-        for lo in range(0, t, piece):
-            hi = min(t, lo + piece)
-            self._launch("all_reduce_expand_bf16", partial[lo:hi], out[lo:hi], (hi - lo) * d, 1,
-                         x=x[lo:hi].data_ptr(), post=post[lo:hi].data_ptr(), comb=comb[lo:hi].data_ptr(), y=y[lo:hi].data_ptr(), dim=d)
+        self._launch("all_reduce_expand_bf16", partial, out, partial.numel(), 1,
+                     x=x.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(), y=y.data_ptr(), dim=d)
         return out, y
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:

@@ -214,7 +214,7 @@ class Draw:
 
     def __init__(self, token: torch.Tensor, logprob: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None, forced: bool) -> None:
         self.token, self._forced = token, forced
-        parts = [token, logprob.double(), *(top.indices, top.values.double())] if top is not None else [token, logprob.double()]
+        parts = [token, logprob, *(top.indices, top.values)] if top is not None else [token, logprob]
         self._k = top.indices.numel() if top is not None else 0
         values = torch.cat([t.double() for t in parts])  # token ids are exact in float64
         self._ready: torch.cuda.Event | None = None
