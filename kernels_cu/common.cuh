@@ -147,3 +147,70 @@ DSUF_DEVICE float silu_f64(float g) {
 }
 
 DSUF_DEVICE u32 bf16x2(float lo, float hi) { return f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16); }
+
+// ---- thread-block clusters: rank, barrier, reads of another CTA's shared memory ----
+
+DSUF_DEVICE u32 cluster_ctarank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA of the cluster: shared-memory writes before it are visible after it.
+DSUF_DEVICE void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+DSUF_DEVICE u32 cluster_addr(u32 addr, u32 rank) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+
+// 16 bytes at a shared-memory address of CTA `rank` of the cluster.
+DSUF_DEVICE float4 ld_cluster_f4(u32 addr, u32 rank) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(cluster_addr(addr, rank))
+               : "memory");
+  return v;
+}
+
+DSUF_DEVICE double ld_cluster_f64(u32 addr, u32 rank) {
+  double v;
+  asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(cluster_addr(addr, rank)) : "memory");
+  return v;
+}
+
+// ---- bulk copies global -> shared memory, completed on an mbarrier (sm_90) ----
+
+// One thread: a barrier expecting one arrival (the thread that posts the copies), visible to the
+// copy engine; the CTA synchronises before anyone waits on it.
+DSUF_DEVICE void mbar_init(u64* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// The posting thread: the barrier's phase completes once `bytes` have landed.
+DSUF_DEVICE void mbar_expect_bytes(u64* bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to this CTA's shared memory.
+DSUF_DEVICE void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+DSUF_DEVICE void mbar_wait(u64* bar, u32 parity) {
+  u32 done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  }
+}

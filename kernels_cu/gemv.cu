@@ -61,28 +61,6 @@ DSUF_DEVICE u32 e4m3_odd_to_bf16x2(u32 q) {
 
 DSUF_DEVICE u32 e4m3_even_to_bf16x2(u32 q) { return e4m3_odd_to_bf16x2(q << 8); }
 
-DSUF_DEVICE u32 cluster_ctarank() {
-  u32 r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-DSUF_DEVICE void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// 16 bytes at a shared-memory address of CTA `rank` of the cluster.
-DSUF_DEVICE float4 ld_cluster_f4(u32 addr, u32 rank) {
-  u32 remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(remote)
-               : "memory");
-  return v;
-}
-
 // Bytes of one token's row of the x slice in shared memory: padded so that the 8 lanes of a
 // 16-byte access phase (two tokens, four t) hit distinct banks.
 template <int FMT>

@@ -7,6 +7,9 @@
 //                    `iters` rounds in all); grid (T), one warp (lane 4j + k holds comb[j, k]).
 //   hc_expand:       X'_k = f32(post_k * out) + f32(sum_j comb[j, k] X_j (float64)), to bf16;
 //                    grid (D / 2048, T), 256 threads x 8 dims.
+//   hc_pre:          the mixes, pre and the block input rms_norm(hc_collapse(X, pre)) in one launch
+//                    (below); post and comb, needed only at the site's expand, come from
+//                    hc_coefficients on another stream meanwhile.
 // Float32 products and sums are written with __fmul_rn / __fadd_rn so that none is contracted to
 // an FMA: the reference rounds each of them.
 #include "hc_expand.cuh"
@@ -62,6 +65,12 @@ extern "C" __global__ void __launch_bounds__(MIX_THREADS) hc_mixes(
 
 DSUF_DEVICE double sigmoid_f64(double z) { return 1.0 / (1.0 + exp(-z)); }
 
+// pre_i from the site's mix i (i < n).
+DSUF_DEVICE float hc_pre_value(float mix, float scale0, float base, float hc_eps) {
+  const float z = __fadd_rn(__fmul_rn(mix, scale0), base);
+  return __fadd_rn((float)sigmoid_f64(z), hc_eps);
+}
+
 extern "C" __global__ void __launch_bounds__(32) hc_coefficients(
     const float* __restrict__ mix, const float* __restrict__ scale, const float* __restrict__ base,
     float* __restrict__ pre, float* __restrict__ post, float* __restrict__ comb, float hc_eps, int iters) {
@@ -69,8 +78,7 @@ extern "C" __global__ void __launch_bounds__(32) hc_coefficients(
   const int tok = blockIdx.x, lane = threadIdx.x;
   const float* m = mix + (i64)tok * (2 + HC_N) * HC_N;
   if (lane < HC_N) {
-    const float z = __fadd_rn(__fmul_rn(m[lane], scale[0]), base[lane]);
-    pre[tok * HC_N + lane] = __fadd_rn((float)sigmoid_f64(z), hc_eps);
+    pre[tok * HC_N + lane] = hc_pre_value(m[lane], scale[0], base[lane], hc_eps);
   } else if (lane < 2 * HC_N) {
     const float z = __fadd_rn(__fmul_rn(m[lane], scale[1]), base[lane]);
     post[tok * HC_N + lane - HC_N] = 2.0f * (float)sigmoid_f64(z);
@@ -110,4 +118,148 @@ extern "C" __global__ void __launch_bounds__(256) hc_expand(
 #pragma unroll
   for (int i = 0; i < 8; ++i) o[i] = bf16_to_f32(i & 1 ? ow[i >> 1] >> 16 : ow[i >> 1] & 0xffff);
   hc_expand8(o, x, post, comb, y, tok, d, D);
+}
+
+// hc_pre: a cluster of PRE_CLUSTER CTAs per token (tokens blockIdx.y, + gridDim.y, ...).
+//  1. Before waiting for the kernel before it, each CTA has the copy engine bring its slice of fn
+//     (the 24 rows x len / PRE_CLUSTER of the flattened streams) into shared memory: the weights
+//     are constant, so their 1.5 MB arrive while the previous kernel still runs.
+//  2. Partial dot products and the sum of squares over the slice in float64; the CTAs exchange
+//     their partials through distributed shared memory and every CTA sums them in rank order, so
+//     all hold the same mixes; pre from the first n.
+//  3. Each CTA collapses D / PRE_CLUSTER dims (float64 sums, rounded to float32 then bf16), the
+//     sum of squares goes round the cluster the same way, and it writes its dims of
+//     y = bf16(w * (y * r)), as hc_collapse_rmsnorm_bf16 does. The mixes go to `mix` for
+//     hc_coefficients.
+#define PRE_CLUSTER 8
+#define PRE_THREADS 256
+#define PRE_MIXES ((2 + HC_N) * HC_N)
+
+struct HcPreParams {
+  const u16* x;         // [T, n, D] bf16 streams
+  const float* fn;      // [24, n * D]
+  const float* scale;   // [3]
+  const float* base;    // [24]
+  const float* norm_w;  // [D]
+  u16* y;               // [T, D] bf16: the block's input
+  float* mix;           // [T, 24]
+  double mix_eps;
+  float norm_eps, hc_eps;
+  int D, T;
+};
+
+extern "C" __global__ void __cluster_dims__(PRE_CLUSTER, 1, 1) __launch_bounds__(PRE_THREADS, 1)
+    hc_pre(const __grid_constant__ HcPreParams p) {
+  extern __shared__ __align__(16) float fs[];  // [24][slice]
+  __shared__ u64 bar;
+  __shared__ double red[PRE_THREADS / 32][PRE_MIXES + 1];
+  __shared__ double part[PRE_MIXES + 1], total[PRE_MIXES + 1], part_ss;
+  __shared__ float pre[HC_N];
+  const u32 rank = cluster_ctarank();
+  const int len = HC_N * p.D, slice = len / PRE_CLUSTER, dims = p.D / PRE_CLUSTER;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) {
+    mbar_init(&bar);
+    mbar_expect_bytes(&bar, PRE_MIXES * slice * 4);
+    for (int r = 0; r < PRE_MIXES; ++r) bulk_copy(fs + r * slice, p.fn + (i64)r * len + rank * slice, slice * 4, &bar);
+  }
+  pdl_begin();
+  __syncthreads();
+  mbar_wait(&bar, 0);
+
+  for (int tok = blockIdx.y; tok < p.T; tok += gridDim.y) {
+    const u16* xt = p.x + (i64)tok * len;
+    double dot[PRE_MIXES], sq = 0.0;
+#pragma unroll
+    for (int r = 0; r < PRE_MIXES; ++r) dot[r] = 0.0;
+    for (int i = 8 * threadIdx.x; i < slice; i += 8 * PRE_THREADS) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(xt + rank * slice + i);
+      const u32 q[4] = {raw.x, raw.y, raw.z, raw.w};
+      double v[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        v[k] = bf16_to_f32(k & 1 ? q[k >> 1] >> 16 : q[k >> 1] & 0xffff);
+        sq += v[k] * v[k];
+      }
+#pragma unroll
+      for (int r = 0; r < PRE_MIXES; ++r) {
+        const float4 a = *reinterpret_cast<const float4*>(fs + r * slice + i);
+        const float4 b = *reinterpret_cast<const float4*>(fs + r * slice + i + 4);
+        const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) dot[r] += v[k] * (double)f[k];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < PRE_MIXES; ++r) dot[r] = warp_sum(dot[r]);
+    sq = warp_sum(sq);
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < PRE_MIXES; ++r) red[warp][r] = dot[r];
+      red[warp][PRE_MIXES] = sq;
+    }
+    __syncthreads();
+    if (threadIdx.x <= PRE_MIXES) {
+      double s = 0.0;
+      for (int w = 0; w < PRE_THREADS / 32; ++w) s += red[w][threadIdx.x];
+      part[threadIdx.x] = s;
+    }
+    cluster_sync();
+    if (threadIdx.x <= PRE_MIXES) {
+      double s = 0.0;
+      for (int src = 0; src < PRE_CLUSTER; ++src) s += ld_cluster_f64(smem_addr(&part[threadIdx.x]), src);
+      total[threadIdx.x] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < PRE_MIXES) {
+      const float rs = (float)(1.0 / sqrt(total[PRE_MIXES] / len + p.mix_eps));
+      const float m = __fmul_rn((float)total[threadIdx.x], rs);
+      if (rank == 0) p.mix[(i64)tok * PRE_MIXES + threadIdx.x] = m;
+      if (threadIdx.x < HC_N) pre[threadIdx.x] = hc_pre_value(m, p.scale[0], p.base[threadIdx.x], p.hc_eps);
+    }
+    __syncthreads();
+
+    const int d = rank * dims + 8 * threadIdx.x;
+    const bool mine = 8 * threadIdx.x < dims;
+    float y[8];
+    double ss = 0.0;
+    if (mine) {
+      double s[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+#pragma unroll
+      for (int i = 0; i < HC_N; ++i) {
+        const double w = pre[i];
+        const uint4 raw = *reinterpret_cast<const uint4*>(xt + (i64)i * p.D + d);
+        const u32 q[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) s[k] += w * (double)bf16_to_f32(k & 1 ? q[k >> 1] >> 16 : q[k >> 1] & 0xffff);
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        y[k] = bf16_to_f32(f32_to_bf16((float)s[k]));
+        ss += (double)y[k] * (double)y[k];
+      }
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp][0] = ss;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      double s = 0.0;
+      for (int w = 0; w < PRE_THREADS / 32; ++w) s += red[w][0];
+      part_ss = s;
+    }
+    cluster_sync();
+    double all = 0.0;
+    for (int src = 0; src < PRE_CLUSTER; ++src) all += ld_cluster_f64(smem_addr(&part_ss), src);
+    const float r = (float)(1.0 / sqrt(all / p.D + (double)p.norm_eps));
+    if (mine) {
+      u32 o[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float a = p.norm_w[d + 2 * k] * (y[2 * k] * r), b = p.norm_w[d + 2 * k + 1] * (y[2 * k + 1] * r);
+        o[k] = f32_to_bf16(a) | ((u32)f32_to_bf16(b) << 16);
+      }
+      *reinterpret_cast<uint4*>(p.y + (i64)tok * p.D + d) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+  cluster_sync();  // no CTA leaves while another still reads its shared memory
 }

@@ -43,7 +43,15 @@ from dsuf.model.layers import Numerics
 
 from .attention import KV_ENTRY_BYTES, pack_kv, unpack_kv
 from .indexer import INDEX_ENTRY_BYTES, pack_index_keys, unpack_index_keys
-from .layer import DecodeLayer, LayerCache, Stage, layer_kind, ring_size, step_index
+from .layer import (
+    DecodeLayer,
+    LayerCache,
+    Stage,
+    join_all,
+    layer_kind,
+    ring_size,
+    step_index,
+)
 from .linear import BLOCK
 from .tp import TensorParallel, check_tp
 from .weights import V4_FLASH_CONFIG, layer_tensors
@@ -259,8 +267,9 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def graph_of(stages: list[Stage], buf: dict) -> torch.cuda.CUDAGraph:
-    """The stages captured as one CUDA graph, replayed once (so its outputs are valid)."""
-    return graph_of_calls([lambda s=s: s.run(buf) for s in stages])
+    """The stages captured as one CUDA graph (joining what they leave on other streams), replayed
+    once (so its outputs are valid)."""
+    return graph_of_calls([lambda s=s: s.run(buf) for s in stages] + [lambda: join_all(buf)])
 
 
 def graph_of_calls(calls: list[Callable[[], object]]) -> torch.cuda.CUDAGraph:

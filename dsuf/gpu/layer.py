@@ -38,7 +38,7 @@ from .indexer import INDEX_ENTRY_BYTES, fp4_quantize, index_scores, topk_indices
 from .linear import Fp8Linear, act_quant
 from .mhc import HcSite, hc_expand
 from .moe import Fp4Experts, Fp8Expert, Moe
-from .norm import hc_collapse_rms_norm, rms_norm
+from .norm import rms_norm
 from .rope import rope_
 from .router import Router
 from .tp import TensorParallel
@@ -188,6 +188,24 @@ class Stage:
     run: Callable[[dict], None]
 
 
+# A stage may leave work running on another stream, recorded in the buffer dict as an event under
+# a key ending in READY; the stage that uses its results waits for it (wait_for).
+READY = " ready"
+
+
+def wait_for(b: dict, key: str) -> None:
+    """The current stream waits for the event b[key], if a stage left one (and forgets it)."""
+    event = b.pop(key, None)
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
+
+
+def join_all(b: dict) -> None:
+    """The current stream waits for all work stages left on other streams (a stage captured alone)."""
+    for key in [k for k in b if k.endswith(READY)]:
+        wait_for(b, key)
+
+
 def has_mm_out_dtype(device: torch.device) -> bool:
     """Whether this torch multiplies bf16 matrices into float32 (torch.mm(..., out_dtype=))."""
     try:
@@ -269,14 +287,17 @@ class DecodeLayer:
         [B, 4, D]), "ids" (int64 [B]), "slots" and "pos" (int64 [B]) and, where rows of one
         sequence share the step, "runs" (int32, compress_decode's); writes f"x{layer + 1}".
         In-place ops touch only tensors made in the same stage (and the caches), so any stage can
-        be replayed alone."""
+        be replayed alone; what a stage leaves running on another stream (the mHC sites'
+        Sinkhorn) is marked in the buffer and awaited by the stage that uses it (wait_for)."""
         c, L, ratio = self.c, self.layer, self.ratio
         heads, hd = self.heads, c.head_dim
         kind = layer_kind(ratio)
 
         def mhc_attn(b: dict) -> None:
-            b[f"{L}.pre"], b[f"{L}.post"], b[f"{L}.comb"] = self.hc_attn.coefficients(b[f"x{L}"])
-            b[f"{L}.y"] = hc_collapse_rms_norm(b[f"x{L}"], b[f"{L}.pre"], self.attn_norm, c.norm_eps)
+            site = self.hc_attn.block_input(b[f"x{L}"], self.attn_norm, c.norm_eps)
+            b[f"{L}.y"], b[f"{L}.post"], b[f"{L}.comb"] = site.y, site.post, site.comb
+            if site.ready is not None:
+                b[f"{L}.comb{READY}"] = site.ready
 
         def qkv(b: dict) -> None:
             rows = b[f"{L}.y"].shape[0]
@@ -323,14 +344,18 @@ class DecodeLayer:
             b[f"{L}.oa"] = fp8_grouped_gemv(b[f"{L}.o"].view(b[f"{L}.o"].shape[0], -1), *self.wo_a, c.o_groups * heads // c.n_heads)
 
         def wo_b_expand(b: dict) -> None:
+            wait_for(b, f"{L}.comb{READY}")
             b[f"{L}.attn"], b[f"{L}.xa"] = self._sum_expand(self.wo_b(b[f"{L}.oa"]), b[f"x{L}"], b[f"{L}.post"], b[f"{L}.comb"])
 
         def mhc_ffn_route(b: dict) -> None:
-            b[f"{L}.pre2"], b[f"{L}.post2"], b[f"{L}.comb2"] = self.hc_ffn.coefficients(b[f"{L}.xa"])
-            b[f"{L}.y2"] = hc_collapse_rms_norm(b[f"{L}.xa"], b[f"{L}.pre2"], self.ffn_norm, c.norm_eps)
+            site = self.hc_ffn.block_input(b[f"{L}.xa"], self.ffn_norm, c.norm_eps)
+            b[f"{L}.y2"], b[f"{L}.post2"], b[f"{L}.comb2"] = site.y, site.post, site.comb
+            if site.ready is not None:
+                b[f"{L}.comb2{READY}"] = site.ready
             b[f"{L}.route"] = self.router(b[f"{L}.y2"], b["ids"])
 
         def moe_expand(b: dict) -> None:
+            wait_for(b, f"{L}.comb2{READY}")
             b[f"{L}.moe"], b[f"x{L + 1}"] = self._sum_expand(self.moe(b[f"{L}.y2"], *b[f"{L}.route"]), b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
 
         def qkv_and_compress(b: dict) -> None:
@@ -345,7 +370,7 @@ class DecodeLayer:
             qkv(b)
             main.wait_stream(self.side)
 
-        out = [Stage(f"L{L} mHC coefficients + collapse + norm", "kernels", mhc_attn)]
+        out = [Stage(f"L{L} mHC mixes + collapse + norm (Sinkhorn alongside)", "kernels", mhc_attn)]
         if ratio:
             out.append(Stage(f"L{L} q / kv projections, norms, RoPE, window write; alongside, the {kind} compressor{'s' if ratio == 4 else ''} "
                              "(projections; pooling, norm, RoPE, entry write)", "kernels + torch", qkv_and_compress))
@@ -360,7 +385,7 @@ class DecodeLayer:
             Stage(f"L{L} sparse attention ({kind}) + inverse RoPE", "kernels", attend),
             Stage(f"L{L} wo_a (FP8 grouped GEMV)", "kernels", wo_a),
             Stage(f"L{L} wo_b + mHC expand", "kernels", wo_b_expand),
-            Stage(f"L{L} mHC + router{' (hash)' if self.hash else ''}", "kernels", mhc_ffn_route),
+            Stage(f"L{L} mHC mixes + collapse + norm (Sinkhorn alongside) + router{' (hash)' if self.hash else ''}", "kernels", mhc_ffn_route),
             Stage(f"L{L} MoE (6 routed FP4 + shared FP8) + mHC expand", "kernels", moe_expand),
         ]
         return out

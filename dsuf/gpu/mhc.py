@@ -1,22 +1,57 @@
 """Manifold-constrained hyper-connections at decode (kernels_cu/mhc.cu): one mHC site's
-coefficients (`layers.HyperConnection.coefficients`) and the stream update (`layers.hc_expand`),
-numerically the reference's (float64 sums, float32 rounding where it rounds). The collapse that
-precedes every block is `norm.hc_collapse_rms_norm`. A prompt chunk's mixes are the reference's
-own float64 matmul (cuBLAS), which beats the per-token kernel there."""
+coefficients (`layers.HyperConnection.coefficients`), the block input it collapses the streams
+into (`HcSite.block_input`: rms_norm(hc_collapse(x, pre))) and the stream update
+(`layers.hc_expand`), numerically the reference's (float64 sums, float32 rounding where it
+rounds). A prompt chunk's mixes are the reference's own float64 matmul (cuBLAS), which beats the
+per-token kernels there."""
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
 from dsuf.model.layers import HyperConnection
 
 from .dense import DENSE_MIN_ROWS
+from .norm import hc_collapse_rms_norm
 from .runtime import get_kernel, ptr
 
 HC_N = 4  # streams (hc_mult); the kernels are written for 4
 MIX_THREADS = 512  # mirror of mhc.cu
+PRE_CLUSTER, PRE_THREADS, PRE_TOKEN_CLUSTERS = 8, 256, 16  # hc_pre: CTAs a token, threads, clusters at most
+PRE_SHARED_MAX = 200 << 10  # hc_pre holds a CTA's slice of fn in shared memory (V4-Flash: 192 KB)
+
+
+class HcPreParams(ctypes.Structure):
+    """Mirror of `struct HcPreParams` in kernels_cu/mhc.cu."""
+
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("fn", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("base", ctypes.c_void_p),
+        ("norm_w", ctypes.c_void_p),
+        ("y", ctypes.c_void_p),
+        ("mix", ctypes.c_void_p),
+        ("mix_eps", ctypes.c_double),
+        ("norm_eps", ctypes.c_float),
+        ("hc_eps", ctypes.c_float),
+        ("D", ctypes.c_int),
+        ("T", ctypes.c_int),
+    ]
+
+
+@dataclass
+class BlockInput:
+    """A site's block input y bf16 [T, D] and its expand coefficients post [T, n], comb [T, n, n].
+    With `ready`, post and comb are still being computed on another stream: wait on it first."""
+
+    y: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+    ready: torch.cuda.Event | None = None
 
 
 class HcSite:
@@ -28,31 +63,75 @@ class HcSite:
             raise ValueError(f"HcSite: shapes fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)} are not a {HC_N}-stream site")
         self.fn, self.base, self.scale = fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous()
         self.norm_eps, self.hc_eps, self.iters = norm_eps, hc_eps, iters
+        self.side: torch.cuda.Stream | None = None  # block_input's Sinkhorn stream
 
-    def coefficients(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x bf16 [T, n, D] -> (pre float32 [T, n], post float32 [T, n], comb float32 [T, n, n])."""
-        t, n, d = x.shape
-        if x.dtype != torch.bfloat16 or n != HC_N or n * d != self.fn.shape[1]:
+    def _check(self, x: torch.Tensor) -> None:
+        if x.dtype != torch.bfloat16 or x.dim() != 3 or x.shape[1] != HC_N or HC_N * x.shape[2] != self.fn.shape[1]:
             raise ValueError(f"HcSite: need bf16 [T, {HC_N}, {self.fn.shape[1] // HC_N}], got {x.dtype} {tuple(x.shape)}")
-        rows = self.fn.shape[0]
-        x = x.contiguous()
-        mix = torch.empty((t, rows), dtype=torch.float32, device=x.device)  # (the kernel's output)
-        pre = torch.empty((t, n), dtype=torch.float32, device=x.device)
-        post = torch.empty((t, n), dtype=torch.float32, device=x.device)
-        comb = torch.empty((t, n, n), dtype=torch.float32, device=x.device)
-        if t >= DENSE_MIN_ROWS:
-            mix = HyperConnection(self.fn, self.base, self.scale).mixes(x, self.norm_eps).contiguous()
-        elif t:
-            get_kernel("mhc", "hc_mixes", x.device)(
-                (rows, t, 1), MIX_THREADS, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(d), ctypes.c_double(self.norm_eps)]
-            )
+
+    @staticmethod
+    def _outputs(t: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Empty pre [T, n], post [T, n], comb [T, n, n]."""
+        return (torch.empty((t, HC_N), dtype=torch.float32, device=device), torch.empty((t, HC_N), dtype=torch.float32, device=device),
+                torch.empty((t, HC_N, HC_N), dtype=torch.float32, device=device))
+
+    def _from_mixes(self, mix: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """pre, post, comb (into `out` if given) from the mixes float32 [T, 24]: the Sinkhorn kernel."""
+        t = mix.shape[0]
+        pre, post, comb = out or self._outputs(t, mix.device)
         if t:
-            get_kernel("mhc", "hc_coefficients", x.device)(
+            get_kernel("mhc", "hc_coefficients", mix.device)(
                 (t, 1, 1),
                 32,
                 [ptr(mix), ptr(self.scale), ptr(self.base), ptr(pre), ptr(post), ptr(comb), ctypes.c_float(self.hc_eps), ctypes.c_int(self.iters)],
             )
         return pre, post, comb
+
+    def coefficients(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x bf16 [T, n, D] -> (pre float32 [T, n], post float32 [T, n], comb float32 [T, n, n])."""
+        self._check(x)
+        t, _, d = x.shape
+        x = x.contiguous()
+        if t >= DENSE_MIN_ROWS:
+            return self._from_mixes(HyperConnection(self.fn, self.base, self.scale).mixes(x, self.norm_eps).contiguous())
+        mix = torch.empty((t, self.fn.shape[0]), dtype=torch.float32, device=x.device)
+        if t:
+            get_kernel("mhc", "hc_mixes", x.device)(
+                (self.fn.shape[0], t, 1), MIX_THREADS, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(d), ctypes.c_double(self.norm_eps)]
+            )
+        return self._from_mixes(mix)
+
+    def block_input(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> BlockInput:
+        """The block's input rms_norm(hc_collapse(x, pre), weight, eps) bf16 [T, D] from the
+        streams x bf16 [T, n, D], and the site's post and comb for its expand.
+
+        Up to a prompt chunk's size, one hc_pre launch makes y (pre never leaves the kernel), and
+        the Sinkhorn for post and comb, which only the expand needs, runs meanwhile on the site's
+        side stream: BlockInput.ready says when."""
+        self._check(x)
+        t, _, d = x.shape
+        slice_bytes = self.fn.shape[0] * self.fn.shape[1] // PRE_CLUSTER * 4
+        if t >= DENSE_MIN_ROWS or not t or d % (8 * PRE_CLUSTER) or slice_bytes > PRE_SHARED_MAX:
+            pre, post, comb = self.coefficients(x)
+            return BlockInput(hc_collapse_rms_norm(x, pre, weight, eps), post, comb)
+        x = x.contiguous()
+        y = torch.empty((t, d), dtype=torch.bfloat16, device=x.device)
+        mix = torch.empty((t, self.fn.shape[0]), dtype=torch.float32, device=x.device)
+        out = self._outputs(t, x.device)  # made on this stream, which uses post and comb later
+        w = weight.float().contiguous()
+        p = HcPreParams(ptr(x), ptr(self.fn), ptr(self.scale), ptr(self.base), ptr(w), ptr(y), ptr(mix), self.norm_eps, eps, self.hc_eps, d, t)
+        get_kernel("mhc", "hc_pre", x.device)((PRE_CLUSTER, min(t, PRE_TOKEN_CLUSTERS), 1), PRE_THREADS, [p], shared=slice_bytes)
+        main = torch.cuda.current_stream(x.device)
+        if self.side is None:
+            self.side = torch.cuda.Stream(x.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            self._from_mixes(mix, out)
+            ready = torch.cuda.Event()
+            ready.record()
+        for tensor in (mix, *out):
+            tensor.record_stream(self.side)
+        return BlockInput(y, out[1], out[2], ready)
 
 
 def hc_expand(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from gpu_checks import compare
 
 from dsuf.gpu.mhc import HcSite, hc_expand
-from dsuf.model.layers import HyperConnection
+from dsuf.model.layers import HyperConnection, hc_collapse, rms_norm
 from dsuf.model.layers import hc_expand as ref_hc_expand
 
 N, D, EPS, HC_EPS, ITERS = 4, 4096, 1e-6, 1e-6, 20
@@ -19,19 +19,45 @@ def streams(tokens: int, device) -> torch.Tensor:
     return (torch.randn(tokens, N, D, device=device) * torch.exp(torch.randn(tokens, N, 1, device=device))).to(torch.bfloat16)
 
 
+def site(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fn = torch.randn((2 + N) * N, N * D, device=device) / 128  # mixes of order 1
+    return fn, torch.randn((2 + N) * N, device=device), torch.rand(3, device=device) + 0.5
+
+
+def assert_coefficients_close(got, ref, what: str, names=("pre", "post", "comb")) -> None:
+    for name, g, r in zip(names, got, ref):
+        ulps = ((g.double() - r.double()).abs() / (r.double().abs() * 2.0**-23)).max()
+        print(f"\n  hc {name} {what}: max {float(ulps):.1f} float32 ulp")
+        assert float(ulps) <= 4.0, name  # float64 sums in another order, then one rounding
+    assert bool((got[-1].sum(dim=-2) - 1).abs().max() < 1e-3), "comb columns must sum to ~1"
+
+
 @pytest.mark.parametrize("tokens", [1, 8, 32, 600])  # 600: a prompt chunk (the mixes in torch)
 def test_hc_coefficients(cuda, tokens):
-    fn = torch.randn((2 + N) * N, N * D, device=cuda) / 128  # mixes of order 1
-    base = torch.randn((2 + N) * N, device=cuda)
-    scale = torch.rand(3, device=cuda) + 0.5
+    fn, base, scale = site(cuda)
     x = streams(tokens, cuda)
     ref = HyperConnection(fn, base, scale).coefficients(x, EPS, HC_EPS, ITERS)
     got = HcSite(fn, base, scale, EPS, HC_EPS, ITERS).coefficients(x)
-    for name, g, r in zip(("pre", "post", "comb"), got, ref):
-        ulps = ((g.double() - r.double()).abs() / (r.double().abs() * 2.0**-23)).max()
-        print(f"\n  hc {name} x {tokens}: max {float(ulps):.1f} float32 ulp")
-        assert float(ulps) <= 4.0, name  # float64 sums in another order, then one rounding
-    assert bool((got[2].sum(dim=-2) - 1).abs().max() < 1e-3), "comb columns must sum to ~1"
+    assert_coefficients_close(got, ref, f"x {tokens}")
+
+
+# 1 and 8: decode; 20: more tokens than hc_pre has clusters (each takes several); 600: a prompt
+# chunk (coefficients, then the collapse kernel).
+@pytest.mark.parametrize("tokens", [1, 8, 20, 600])
+def test_block_input_is_the_norm_of_the_collapse(cuda, tokens):
+    """A site's block input rms_norm(hc_collapse(x, pre)) with post and comb for its expand, as the
+    reference computes them (one hc_pre launch, the Sinkhorn on a side stream)."""
+    fn, base, scale = site(cuda)
+    x = streams(tokens, cuda)
+    w = 1 + 0.2 * torch.randn(D, device=cuda)
+    pre, post, comb = HyperConnection(fn, base, scale).coefficients(x, EPS, HC_EPS, ITERS)
+    ref = rms_norm(hc_collapse(x, pre), w, EPS)
+    got = HcSite(fn, base, scale, EPS, HC_EPS, ITERS).block_input(x, w, EPS)
+    if got.ready is not None:
+        torch.cuda.current_stream().wait_event(got.ready)
+    _, worst = compare(f"block input [{tokens}, {N}, {D}]", got.y, ref)
+    assert worst <= 1.0 and (got.y == ref).float().mean() > 0.999
+    assert_coefficients_close((got.post, got.comb), (post, comb), f"with the block input x {tokens}", names=("post", "comb"))
 
 
 @pytest.mark.parametrize("tokens", [1, 8])

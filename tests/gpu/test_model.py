@@ -234,6 +234,31 @@ def test_cuda_graph_replays_equal_eager_steps(models) -> None:
     assert torch.equal(replayed, eager)
 
 
+def test_the_mhc_sinkhorn_on_its_side_stream_is_awaited_by_the_expand(models, monkeypatch) -> None:
+    """Each mHC site's post and comb come from a side stream while the block runs: a Sinkhorn that
+    finishes 0.5 ms late (a sleep queued before it) changes nothing, bit for bit."""
+    from dsuf.gpu.mhc import HcSite
+
+    c, gpu, _, _ = models
+    prompt = torch.randint(0, c.vocab_size, (9,))
+
+    def run() -> torch.Tensor:
+        seq = gpu.new_state()
+        out = [gpu.forward_batch([(prompt, seq)])[0]] + [gpu.forward_batch([(t.view(1), seq)])[0] for t in prompt[:3]]
+        gpu.free(seq)
+        return torch.stack(out)
+
+    gpu.graphs = False  # eager: the patched Sinkhorn runs
+    try:
+        prompt_time = run()
+        on_time = HcSite._from_mixes
+        monkeypatch.setattr(HcSite, "_from_mixes", lambda site, mix, out=None: (torch.cuda._sleep(1_000_000), on_time(site, mix, out))[1])
+        late = run()
+    finally:
+        gpu.graphs = True
+    assert torch.equal(prompt_time, late)
+
+
 def test_tokens_still_on_the_gpu_feed_what_the_same_tokens_from_the_host_feed(models) -> None:
     """The worker's look-ahead feeds sampled tokens before the host has read them: the same
     logits, bit for bit, as the same tokens given from the host."""
