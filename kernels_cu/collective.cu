@@ -13,7 +13,7 @@
 // run in stream order). Epochs are per-CTA counters in device memory, so replays of a captured
 // graph keep counting. Sums are taken in rank order, so every rank gets the same bits (ranks keep
 // replicated state, e.g. KV caches and expert routing, that must not drift apart).
-#include "hc_expand.cuh"
+#include "mhc.cuh"
 
 #define MAX_RANKS 8
 #define CTAS 32

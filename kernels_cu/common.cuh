@@ -177,12 +177,6 @@ DSUF_DEVICE float4 ld_cluster_f4(u32 addr, u32 rank) {
   return v;
 }
 
-DSUF_DEVICE double ld_cluster_f64(u32 addr, u32 rank) {
-  double v;
-  asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(cluster_addr(addr, rank)) : "memory");
-  return v;
-}
-
 // ---- bulk copies global -> shared memory, completed on an mbarrier (sm_90) ----
 
 // One thread: a barrier expecting one arrival (the thread that posts the copies), visible to the

@@ -4,15 +4,18 @@
 // float64 rounded to float32 then bf16 (layers.hc_collapse), and normalises that: the pair that
 // precedes every attention and MoE block. rmsnorm_rope_bf16 then rotates the last 64 dims of
 // each row as rope.cu does (GPT-J pairs, products and sums rounded, on the bf16 output): the
-// per-head q norm and the kv norm, each followed by RoPE. One CTA of 256 threads per row, 8
+// per-head q norm and the kv norm, each followed by RoPE. hc_pre_collapse_rmsnorm_bf16 is
+// hc_collapse_rmsnorm_bf16 with pre formed from the mHC site's mixes in the kernel (a decode
+// site's block input: mhc.cu makes post and comb meanwhile). One CTA of 256 threads per row, 8
 // elements a thread per pass, D % 8 == 0 and D <= 8192.
-#include "common.cuh"
+#include "mhc.cuh"
 
 #define VPT 4  // 16-byte vectors per thread: D <= 256 * 8 * VPT
 
 #define ROPE_PAIRS 32
 
-// cos_t / sin_t [positions, 32] or null (no rotation); row r is at position r / per_pos.
+// pre: the row's n collapse coefficients (COLLAPSE); cos_t / sin_t [positions, 32] or null (no
+// rotation); row r is at position r / per_pos.
 template <bool COLLAPSE>
 DSUF_DEVICE void rmsnorm_row(const u16* __restrict__ x, const float* __restrict__ pre, int n,
                              const float* __restrict__ w, u16* __restrict__ out, int D, float eps,
@@ -28,7 +31,7 @@ DSUF_DEVICE void rmsnorm_row(const u16* __restrict__ x, const float* __restrict_
     if (COLLAPSE) {
       double s[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
       for (int i = 0; i < n; ++i) {
-        const double p = pre[(i64)row * n + i];
+        const double p = pre[i];
         const uint4 raw = *reinterpret_cast<const uint4*>(x + ((i64)row * n + i) * D + d);
         const u32 q[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
@@ -103,5 +106,16 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_rope_bf16(
 extern "C" __global__ void __launch_bounds__(256) hc_collapse_rmsnorm_bf16(
     const u16* x, const float* pre, int n, const float* w, u16* out, int D, float eps) {
   pdl_begin();
-  rmsnorm_row<true>(x, pre, n, w, out, D, eps);
+  rmsnorm_row<true>(x, pre + (i64)blockIdx.x * n, n, w, out, D, eps);
+}
+
+// X [rows, 4, D] bf16 streams, mix [rows, 24] float32 (the site's mixes), scale [3], base [24],
+// w [D] float32 -> out [rows, D] bf16.
+extern "C" __global__ void __launch_bounds__(256) hc_pre_collapse_rmsnorm_bf16(
+    const u16* x, const float* mix, const float* scale, const float* base, float hc_eps, const float* w, u16* out, int D, float eps) {
+  pdl_begin();
+  __shared__ float pre[HC_N];
+  if (threadIdx.x < HC_N) pre[threadIdx.x] = hc_pre_value(mix[(i64)blockIdx.x * HC_MIXES + threadIdx.x], scale[0], base[threadIdx.x], hc_eps);
+  __syncthreads();
+  rmsnorm_row<true>(x, pre, HC_N, w, out, D, eps);
 }

@@ -15,32 +15,12 @@ import torch
 from dsuf.model.layers import HyperConnection
 
 from .dense import DENSE_MIN_ROWS
-from .norm import hc_collapse_rms_norm
+from .norm import hc_collapse_rms_norm, hc_pre_collapse_rms_norm
 from .runtime import get_kernel, ptr
 
 HC_N = 4  # streams (hc_mult); the kernels are written for 4
 MIX_THREADS = 512  # mirror of mhc.cu
-PRE_CLUSTER, PRE_THREADS, PRE_TOKEN_CLUSTERS = 8, 256, 16  # hc_pre: CTAs a token, threads, clusters at most
-PRE_SHARED_MAX = 200 << 10  # hc_pre holds a CTA's slice of fn in shared memory (V4-Flash: 192 KB)
-
-
-class HcPreParams(ctypes.Structure):
-    """Mirror of `struct HcPreParams` in kernels_cu/mhc.cu."""
-
-    _fields_ = [
-        ("x", ctypes.c_void_p),
-        ("fn", ctypes.c_void_p),
-        ("scale", ctypes.c_void_p),
-        ("base", ctypes.c_void_p),
-        ("norm_w", ctypes.c_void_p),
-        ("y", ctypes.c_void_p),
-        ("mix", ctypes.c_void_p),
-        ("mix_eps", ctypes.c_double),
-        ("norm_eps", ctypes.c_float),
-        ("hc_eps", ctypes.c_float),
-        ("D", ctypes.c_int),
-        ("T", ctypes.c_int),
-    ]
+MIX_TOKEN_GROUPS = 8  # hc_mixes: CTAs a row of fn (each takes every 8th token)
 
 
 @dataclass
@@ -90,37 +70,40 @@ class HcSite:
     def coefficients(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x bf16 [T, n, D] -> (pre float32 [T, n], post float32 [T, n], comb float32 [T, n, n])."""
         self._check(x)
-        t, _, d = x.shape
         x = x.contiguous()
-        if t >= DENSE_MIN_ROWS:
+        if x.shape[0] >= DENSE_MIN_ROWS:
             return self._from_mixes(HyperConnection(self.fn, self.base, self.scale).mixes(x, self.norm_eps).contiguous())
+        return self._from_mixes(self._mixes(x))
+
+    def _mixes(self, x: torch.Tensor) -> torch.Tensor:
+        """The site's mixes float32 [T, 24] of contiguous streams x (decode sizes)."""
+        t, _, d = x.shape
         mix = torch.empty((t, self.fn.shape[0]), dtype=torch.float32, device=x.device)
         if t:
             get_kernel("mhc", "hc_mixes", x.device)(
-                (self.fn.shape[0], t, 1), MIX_THREADS, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(d), ctypes.c_double(self.norm_eps)]
+                (self.fn.shape[0], min(t, MIX_TOKEN_GROUPS), 1),
+                MIX_THREADS,
+                [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(d), ctypes.c_int(t), ctypes.c_double(self.norm_eps)],
+                shared=self.fn.shape[1] * 4,
             )
-        return self._from_mixes(mix)
+        return mix
 
     def block_input(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> BlockInput:
         """The block's input rms_norm(hc_collapse(x, pre), weight, eps) bf16 [T, D] from the
         streams x bf16 [T, n, D], and the site's post and comb for its expand.
 
-        Up to a prompt chunk's size, one hc_pre launch makes y (pre never leaves the kernel), and
-        the Sinkhorn for post and comb, which only the expand needs, runs meanwhile on the site's
-        side stream: BlockInput.ready says when."""
+        Below a prompt chunk's size the mixes kernel is followed by one that forms pre and the
+        block input from them, while the Sinkhorn for post and comb, which only the expand needs,
+        runs on the site's side stream: BlockInput.ready says when."""
         self._check(x)
-        t, _, d = x.shape
-        slice_bytes = self.fn.shape[0] * self.fn.shape[1] // PRE_CLUSTER * 4
-        if t >= DENSE_MIN_ROWS or not t or d % (8 * PRE_CLUSTER) or slice_bytes > PRE_SHARED_MAX:
+        t = x.shape[0]
+        if t >= DENSE_MIN_ROWS or not t:
             pre, post, comb = self.coefficients(x)
             return BlockInput(hc_collapse_rms_norm(x, pre, weight, eps), post, comb)
         x = x.contiguous()
-        y = torch.empty((t, d), dtype=torch.bfloat16, device=x.device)
-        mix = torch.empty((t, self.fn.shape[0]), dtype=torch.float32, device=x.device)
+        mix = self._mixes(x)
+        y = hc_pre_collapse_rms_norm(x, mix, self.scale, self.base, self.hc_eps, weight, eps)
         out = self._outputs(t, x.device)  # made on this stream, which uses post and comb later
-        w = weight.float().contiguous()
-        p = HcPreParams(ptr(x), ptr(self.fn), ptr(self.scale), ptr(self.base), ptr(w), ptr(y), ptr(mix), self.norm_eps, eps, self.hc_eps, d, t)
-        get_kernel("mhc", "hc_pre", x.device)((PRE_CLUSTER, min(t, PRE_TOKEN_CLUSTERS), 1), PRE_THREADS, [p], shared=slice_bytes)
         main = torch.cuda.current_stream(x.device)
         if self.side is None:
             self.side = torch.cuda.Stream(x.device)

@@ -1,5 +1,6 @@
 """RMSNorm kernels (kernels_cu/rmsnorm.cu), numerically the reference's `layers.rms_norm` and
-`layers.hc_collapse` followed by it."""
+`layers.hc_collapse` followed by it (with the collapse's pre given, or formed from an mHC site's
+mixes)."""
 
 from __future__ import annotations
 
@@ -65,5 +66,23 @@ def hc_collapse_rms_norm(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tenso
             (t, 1, 1),
             256,
             [ptr(x), ptr(pre), ctypes.c_int(n), ptr(_weight(weight, d)), ptr(out), ctypes.c_int(d), ctypes.c_float(eps)],
+        )
+    return out
+
+
+def hc_pre_collapse_rms_norm(x: torch.Tensor, mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
+                             weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """hc_collapse_rms_norm with pre formed from an mHC site's mixes float32 [T, 24] (scale
+    float32 [3], base float32 [24]: the site's), as HyperConnection.coefficients forms it."""
+    t, n, d = x.shape
+    if x.dtype != torch.bfloat16 or n != 4 or tuple(mix.shape) != (t, 24) or not x.is_contiguous():
+        raise ValueError(f"hc_pre_collapse_rms_norm: need contiguous bf16 [T, 4, D] and mix [T, 24], got {x.dtype} {tuple(x.shape)}, {tuple(mix.shape)}")
+    _check_dim(d)
+    out = torch.empty((t, d), dtype=torch.bfloat16, device=x.device)
+    if t:
+        get_kernel("rmsnorm", "hc_pre_collapse_rmsnorm_bf16", x.device)(
+            (t, 1, 1),
+            256,
+            [ptr(x), ptr(mix), ptr(scale), ptr(base), ctypes.c_float(hc_eps), ptr(_weight(weight, d)), ptr(out), ctypes.c_int(d), ctypes.c_float(eps)],
         )
     return out

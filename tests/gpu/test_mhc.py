@@ -41,12 +41,13 @@ def test_hc_coefficients(cuda, tokens):
     assert_coefficients_close(got, ref, f"x {tokens}")
 
 
-# 1 and 8: decode; 20: more tokens than hc_pre has clusters (each takes several); 600: a prompt
-# chunk (coefficients, then the collapse kernel).
+# 1 and 8: decode; 20: more tokens than hc_mixes has CTAs a row (each takes several); 600: a
+# prompt chunk (coefficients, then the collapse kernel).
 @pytest.mark.parametrize("tokens", [1, 8, 20, 600])
 def test_block_input_is_the_norm_of_the_collapse(cuda, tokens):
     """A site's block input rms_norm(hc_collapse(x, pre)) with post and comb for its expand, as the
-    reference computes them (one hc_pre launch, the Sinkhorn on a side stream)."""
+    reference computes them (mixes, then pre and the block input in one launch; the Sinkhorn on a
+    side stream)."""
     fn, base, scale = site(cuda)
     x = streams(tokens, cuda)
     w = 1 + 0.2 * torch.randn(D, device=cuda)

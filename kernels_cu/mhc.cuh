@@ -1,11 +1,22 @@
+// mHC device code shared by mhc.cu, rmsnorm.cu and collective.cu.
+//
 // The mHC stream update of 8 consecutive dims of one token (layers.hc_expand):
 //   X'_k = f32(post_k * out) + f32(sum_j comb[j, k] X_j (float64)), to bf16,
 // given the sublayer output `o` (8 floats, already rounded to bf16 values) at dims d .. d + 7.
-// Shared by mhc.cu's hc_expand and collective.cu's all-reduce fused with it.
+// (mhc.cu's hc_expand and collective.cu's all-reduce fused with it).
 #pragma once
 #include "common.cuh"
 
 #define HC_N 4
+#define HC_MIXES ((2 + HC_N) * HC_N)  // a site's mixes: pre, post, then the n x n comb logits
+
+DSUF_DEVICE double sigmoid_f64(double z) { return 1.0 / (1.0 + exp(-z)); }
+
+// pre_i from the site's mix i (i < n): f32(sigmoid(mix * scale0 + base)) + hc_eps.
+DSUF_DEVICE float hc_pre_value(float mix, float scale0, float base, float hc_eps) {
+  const float z = __fadd_rn(__fmul_rn(mix, scale0), base);
+  return __fadd_rn((float)sigmoid_f64(z), hc_eps);
+}
 
 DSUF_DEVICE void hc_expand8(const float o[8], const u16* __restrict__ x, const float* __restrict__ post,
                             const float* __restrict__ comb, u16* __restrict__ y, int tok, int d, int D) {
