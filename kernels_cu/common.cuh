@@ -21,15 +21,6 @@ DSUF_DEVICE void pdl_begin() {
 #endif
 }
 
-// Have the L2 fetch `bytes` (a multiple of 16, 16-byte aligned) from global memory: no completion
-// to wait for. Kernels call it for their weights before pdl_begin, so that the fetch runs while
-// the kernel before still does (weights are constant; decode's small kernels leave HBM idle).
-DSUF_DEVICE void prefetch_l2(const void* p, u32 bytes) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 // Float32-rounded 1/448 (0x3b124925): the reference multiplies amax by this rather than dividing.
 #define FP8_MAX 448.0f
 #define FP8_MAX_INV __int_as_float(0x3b124925)

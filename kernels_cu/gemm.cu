@@ -434,18 +434,10 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
   }
 }
 
-// FP8: the CTA's weight tile (128 rows x its K range) into L2 before the PDL wait (prefetch_l2).
-DSUF_DEVICE void fp8_prefetch(const GemmParams& p) {
-  const int rb = blockIdx.x, mat = blockIdx.y / p.splits, split = blockIdx.y % p.splits, KB = p.K >> 7;
-  const int kb0 = (int)((i64)split * KB / p.splits), kb1 = (int)((i64)(split + 1) * KB / p.splits);
-  if (threadIdx.x < 128) prefetch_l2(p.w[mat] + ((i64)rb * 128 + threadIdx.x) * p.K + kb0 * 128, (kb1 - kb0) * 128);
-}
-
 // Up to 128 registers a thread (2 CTAs an SM) for one token tile; more tiles need more.
 #define DSUF_GEMM(name, FMT, MT, EPI)                                                  \
   extern "C" __global__ void __launch_bounds__(256, MT == 1 ? 2 : 1)                  \
       name(const __grid_constant__ GemmParams p) { \
-    fp8_prefetch(p);                                                                   \
     pdl_begin();                                                                       \
     gemm_body<FMT, MT, EPI, 1>(p);                                                     \
   }

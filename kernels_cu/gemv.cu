@@ -217,21 +217,12 @@ DSUF_DEVICE void gemv_body(const GemvParams& p) {
   if (S > 1) cluster_sync();  // no CTA leaves while the others read its shared memory
 }
 
-// The CTA's weights (TILE rows x its K slice) into L2 before the PDL wait (prefetch_l2).
-template <int FMT, int S>
-DSUF_DEVICE void gemv_prefetch(const GemvParams& p) {
-  constexpr int EB = FMT == FMT_FP8 ? 1 : 2;
-  const int kc = p.K / S;
-  if (threadIdx.x < TILE) prefetch_l2(p.w + ((i64)(blockIdx.y * TILE + threadIdx.x) * p.K + blockIdx.x * kc) * EB, kc * EB);
-}
-
 // Registers: up to 85 a thread for 8 tokens of bf16 weights (3 CTAs an SM), else 128 up to 32
 // tokens (2 CTAs), more for 64.
 #define MIN_CTAS(FMT, MT) (FMT == FMT_BF16 && MT == 1 ? 3 : MT <= 4 ? 2 : 1)
 // One kernel per K split S: a thread-block cluster of S CTAs (none for S = 1).
 #define DSUF_GEMV_SPLIT(name, FMT, MT, S, CLUSTER)                                                          \
   extern "C" __global__ void CLUSTER __launch_bounds__(THREADS, MIN_CTAS(FMT, MT)) name##_s##S(const __grid_constant__ GemvParams p) { \
-    gemv_prefetch<FMT, S>(p);                                                                               \
     pdl_begin();                                                                                            \
     gemv_body<FMT, MT, S>(p);                                                                               \
   }

@@ -1,7 +1,6 @@
 // The MoE router at decode, as layers.MoE.route computes it:
 //   router_scores: s[t, e] = f32(sqrt(softplus(z))) in float64, z = f32(x_t . W_e) (bf16 x and W,
-//     products exact in float32, summed in float64). grid (E / 4, T), 4 warps, a warp per expert;
-//     the CTA's gate rows are prefetched into L2 before the PDL wait.
+//     products exact in float32, summed in float64). grid (E / 4, T), 4 warps, a warp per expert.
 //   router_select: idx = the top-k experts by s + bias (ties to the lower expert), or the hash
 //     table's row for the token (tid2eid); weights = s[idx] / f32(sum_f64 s[idx] + eps) * scale.
 //     grid (T), one warp per token.
@@ -12,7 +11,6 @@
 
 extern "C" __global__ void __launch_bounds__(128) router_scores(
     const u16* __restrict__ x, const u16* __restrict__ w, float* __restrict__ scores, int tokens, int experts, int D) {
-  if (threadIdx.x < 4 && blockIdx.x * 4 + threadIdx.x < experts) prefetch_l2(w + (i64)(blockIdx.x * 4 + threadIdx.x) * D, D * 2);
   pdl_begin();
   const int lane = threadIdx.x & 31;
   const int e = blockIdx.x * 4 + (threadIdx.x >> 5), tok = blockIdx.y;
