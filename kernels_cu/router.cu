@@ -1,6 +1,8 @@
 // The MoE router at decode, as layers.MoE.route computes it:
 //   router_scores: s[t, e] = f32(sqrt(softplus(z))) in float64, z = f32(x_t . W_e) (bf16 x and W,
-//     products exact in float32, summed in float64). grid (E / 4, T), 4 warps, a warp per expert.
+//     products exact in float32, summed in float64). grid (E, T), 128 threads: a CTA per expert,
+//     each thread's 32 elements loaded at once (a warp per expert, four rounds of loads, took
+//     8.8 µs at batch 1 on H200).
 //   router_select: idx = the top-k experts by s + bias (ties to the lower expert), or the hash
 //     table's row for the token (tid2eid); weights = s[idx] / f32(sum_f64 s[idx] + eps) * scale.
 //     grid (T), one warp per token.
@@ -8,39 +10,44 @@
 
 #define ROUTER_MAX_EXPERTS 512
 #define ROUTER_MAX_TOPK 16
+#define SCORE_THREADS 128
 
-extern "C" __global__ void __launch_bounds__(128) router_scores(
+extern "C" __global__ void __launch_bounds__(SCORE_THREADS) router_scores(
     const u16* __restrict__ x, const u16* __restrict__ w, float* __restrict__ scores, int tokens, int experts, int D) {
   pdl_begin();
-  const int lane = threadIdx.x & 31;
-  const int e = blockIdx.x * 4 + (threadIdx.x >> 5), tok = blockIdx.y;
-  if (e >= experts || tok >= tokens) return;
+  __shared__ double part[SCORE_THREADS / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int e = blockIdx.x, tok = blockIdx.y;
   const u16* we = w + (i64)e * D;
   const u16* xt = x + (i64)tok * D;
-  // Four chunks in flight a lane, each with its own float64 sum.
-  double part[4] = {0.0, 0.0, 0.0, 0.0};
-  for (int d0 = 8 * lane; d0 < D; d0 += 1024) {
+  // Every load of the row issued at once (D <= 4096: one round), each with its own float64 sum.
+  double acc[4] = {0.0, 0.0, 0.0, 0.0};
+  for (int d0 = 8 * threadIdx.x; d0 < D; d0 += 32 * SCORE_THREADS) {
     uint4 wv[4], xv[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {  // D is a multiple of 256: zeros past the end add nothing
-      const bool in = d0 + 256 * u < D;
-      wv[u] = in ? *reinterpret_cast<const uint4*>(we + d0 + 256 * u) : make_uint4(0, 0, 0, 0);
-      xv[u] = in ? *reinterpret_cast<const uint4*>(xt + d0 + 256 * u) : make_uint4(0, 0, 0, 0);
+      const int d = d0 + 8 * SCORE_THREADS * u;
+      wv[u] = d < D ? *reinterpret_cast<const uint4*>(we + d) : make_uint4(0, 0, 0, 0);
+      xv[u] = d < D ? *reinterpret_cast<const uint4*>(xt + d) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const u32 ww[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w}, xx[4] = {xv[u].x, xv[u].y, xv[u].z, xv[u].w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        part[u] += (double)(bf16_to_f32(xx[i] & 0xffff) * bf16_to_f32(ww[i] & 0xffff));
-        part[u] += (double)(bf16_to_f32(xx[i] >> 16) * bf16_to_f32(ww[i] >> 16));
+        acc[u] += (double)(bf16_to_f32(xx[i] & 0xffff) * bf16_to_f32(ww[i] & 0xffff));
+        acc[u] += (double)(bf16_to_f32(xx[i] >> 16) * bf16_to_f32(ww[i] >> 16));
       }
     }
   }
-  double acc = (part[0] + part[1]) + (part[2] + part[3]);
-  acc = warp_sum(acc);
-  if (lane == 0) {
-    const double z = (double)(float)acc;
+  const double sum = warp_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+  if (lane == 0) part[warp] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+#pragma unroll
+    for (int i = 0; i < SCORE_THREADS / 32; ++i) total += part[i];
+    const double z = (double)(float)total;
     const double softplus = z > 20.0 ? z : log1p(exp(z));  // torch's softplus (threshold 20)
     scores[(i64)tok * experts + e] = (float)sqrt(softplus);
   }
