@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 
 import torch
-
 import torch.nn.functional as F
 
 from dsuf.model.layers import acc_matmul, f64
