@@ -259,8 +259,13 @@ class DecodeLayer:
         self.router = Router(t[f"{f}.gate.weight"], t.get(f"{f}.gate.bias"), t.get(f"{f}.gate.tid2eid"), c.n_activated_experts, c.route_scale)
         w1, s1, w3, s3, w2, s2 = (stacked_experts(t, f, w, k) for w in ("w1", "w3", "w2") for k in ("weight", "scale"))
         shared = [t[f"{f}.shared_experts.{w}.{k}"] for w in ("w1", "w3", "w2") for k in ("weight", "scale")]
-        self.side: torch.cuda.Stream | None = None  # the compressors' stream
+        self.sides: dict[str, torch.cuda.Stream] = {}  # streams for work alongside the main chain, by purpose
         self.moe = Moe(Fp4Experts.from_checkpoint(w1, s1, w3, s3, w2, s2), Fp8Expert(*shared), c.swiglu_limit)
+
+    def _side(self, purpose: str, device: torch.device) -> torch.cuda.Stream:
+        if purpose not in self.sides:
+            self.sides[purpose] = torch.cuda.Stream(device)
+        return self.sides[purpose]
 
     def torch_parts(self) -> list[str]:
         parts = []
@@ -299,11 +304,17 @@ class DecodeLayer:
             if site.ready is not None:
                 b[f"{L}.comb{READY}"] = site.ready
 
-        def qkv(b: dict) -> None:
+        def qkv(b: dict, index_side: torch.cuda.Stream | None = None) -> None:
             rows = b[f"{L}.y"].shape[0]
             xq, sx = act_quant(b[f"{L}.y"])
             qr = rms_norm(self.wq_a.forward_quantized(xq, sx), self.q_norm, c.norm_eps)
             b[f"{L}.qr_q"] = act_quant(qr)
+            if index_side is not None:  # the indexer's query needs only qr: alongside the q and kv projections
+                index_side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(index_side):
+                    index_query(b)
+                for t in b[f"{L}.qr_q"]:
+                    t.record_stream(index_side)
             b[f"{L}.q"] = rms_norm(self.wq_b.forward_quantized(*b[f"{L}.qr_q"]).view(rows, heads, hd), None, c.norm_eps, rope=(ix.cos, ix.sin))
             kv = rms_norm(self.wkv.forward_quantized(xq, sx), self.kv_norm, c.norm_eps, rope=(ix.cos, ix.sin))
             pack_kv(kv, cache.pool, ix.window_slot)
@@ -359,28 +370,35 @@ class DecodeLayer:
             b[f"{L}.moe"], b[f"x{L + 1}"] = self._sum_expand(self.moe(b[f"{L}.y2"], *b[f"{L}.route"]), b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
 
         def qkv_and_compress(b: dict) -> None:
-            # Both read only y: the compressors run on a side stream alongside the projections
-            # (each is a chain of small, latency-bound launches that leaves the GPU mostly idle).
-            main = torch.cuda.current_stream(b[f"{L}.y"].device)
-            if self.side is None:
-                self.side = torch.cuda.Stream(b[f"{L}.y"].device)
-            self.side.wait_stream(main)
-            with torch.cuda.stream(self.side):
+            # Both read only y: the compressors run on a side stream alongside the projections, and
+            # on CSA layers the indexer's query on another once qr is made (each is a chain of
+            # small, latency-bound launches that leaves the GPU mostly idle).
+            device = b[f"{L}.y"].device
+            main = torch.cuda.current_stream(device)
+            compress_side = self._side("compressors", device)
+            index_side = self._side("indexer", device) if ratio == 4 else None
+            compress_side.wait_stream(main)
+            with torch.cuda.stream(compress_side):
                 compress(b)
-            qkv(b)
-            main.wait_stream(self.side)
+            qkv(b, index_side)
+            main.wait_stream(compress_side)
+            if index_side is not None:
+                main.wait_stream(index_side)
+                for t in (b[f"{L}.weights"], *b[f"{L}.qi"]):  # made on the side streams, read here
+                    t.record_stream(main)
 
         out = [Stage(f"L{L} mHC mixes + collapse + norm (Sinkhorn alongside)", "kernels", mhc_attn)]
-        if ratio:
-            out.append(Stage(f"L{L} q / kv projections, norms, RoPE, window write; alongside, the {kind} compressor{'s' if ratio == 4 else ''} "
+        if ratio == 4:
+            out += [
+                Stage(f"L{L} q / kv projections, norms, RoPE, window write; alongside, the CSA compressors (projections; pooling, norm, "
+                      "RoPE, entry write) and the indexer query (wq_b, RoPE, FP4; Hadamard in torch)", "kernels + torch", qkv_and_compress),
+                Stage(f"L{L} index scores + top-{c.index_topk}", "kernels", index_select),
+            ]
+        elif ratio:
+            out.append(Stage(f"L{L} q / kv projections, norms, RoPE, window write; alongside, the {kind} compressor "
                              "(projections; pooling, norm, RoPE, entry write)", "kernels + torch", qkv_and_compress))
         else:
             out.append(Stage(f"L{L} q / kv projections, norms, RoPE, window write", "kernels", qkv))
-        if ratio == 4:
-            out += [
-                Stage(f"L{L} indexer query (wq_b, RoPE, FP4; Hadamard in torch)", "kernels + torch", index_query),
-                Stage(f"L{L} index scores + top-{c.index_topk}", "kernels", index_select),
-            ]
         out += [
             Stage(f"L{L} sparse attention ({kind}) + inverse RoPE", "kernels", attend),
             Stage(f"L{L} wo_a (FP8 grouped GEMV)", "kernels", wo_a),
