@@ -262,10 +262,19 @@ class DecodeLayer:
         self.sides: dict[str, torch.cuda.Stream] = {}  # streams for work alongside the main chain, by purpose
         self.moe = Moe(Fp4Experts.from_checkpoint(w1, s1, w3, s3, w2, s2), Fp8Expert(*shared), c.swiglu_limit)
 
-    def _side(self, purpose: str, device: torch.device) -> torch.cuda.Stream:
+    def _alongside(self, purpose: str, run: Callable[[], None], reads: list[torch.Tensor]) -> torch.cuda.Stream:
+        """Queue `run` on the side stream for `purpose`, after what the current stream has queued;
+        `reads`: the current stream's tensors it reads. Returns the stream, to be waited on."""
+        main = torch.cuda.current_stream()
         if purpose not in self.sides:
-            self.sides[purpose] = torch.cuda.Stream(device)
-        return self.sides[purpose]
+            self.sides[purpose] = torch.cuda.Stream(main.device)
+        side = self.sides[purpose]
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            run()
+        for t in reads:
+            t.record_stream(side)
+        return side
 
     def torch_parts(self) -> list[str]:
         parts = []
@@ -303,21 +312,6 @@ class DecodeLayer:
             b[f"{L}.y"], b[f"{L}.post"], b[f"{L}.comb"] = site.y, site.post, site.comb
             if site.ready is not None:
                 b[f"{L}.comb{READY}"] = site.ready
-
-        def qkv(b: dict, index_side: torch.cuda.Stream | None = None) -> None:
-            rows = b[f"{L}.y"].shape[0]
-            xq, sx = act_quant(b[f"{L}.y"])
-            qr = rms_norm(self.wq_a.forward_quantized(xq, sx), self.q_norm, c.norm_eps)
-            b[f"{L}.qr_q"] = act_quant(qr)
-            if index_side is not None:  # the indexer's query needs only qr: alongside the q and kv projections
-                index_side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(index_side):
-                    index_query(b)
-                for t in b[f"{L}.qr_q"]:
-                    t.record_stream(index_side)
-            b[f"{L}.q"] = rms_norm(self.wq_b.forward_quantized(*b[f"{L}.qr_q"]).view(rows, heads, hd), None, c.norm_eps, rope=(ix.cos, ix.sin))
-            kv = rms_norm(self.wkv.forward_quantized(xq, sx), self.kv_norm, c.norm_eps, rope=(ix.cos, ix.sin))
-            pack_kv(kv, cache.pool, ix.window_slot)
 
         def compress(b: dict) -> None:
             def run(kv: torch.Tensor, score: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], ape: torch.Tensor, norm: torch.Tensor,
@@ -369,36 +363,38 @@ class DecodeLayer:
             wait_for(b, f"{L}.comb2{READY}")
             b[f"{L}.moe"], b[f"x{L + 1}"] = self._sum_expand(self.moe(b[f"{L}.y2"], *b[f"{L}.route"]), b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
 
-        def qkv_and_compress(b: dict) -> None:
-            # Both read only y: the compressors run on a side stream alongside the projections, and
-            # on CSA layers the indexer's query on another once qr is made (each is a chain of
-            # small, latency-bound launches that leaves the GPU mostly idle).
-            device = b[f"{L}.y"].device
-            main = torch.cuda.current_stream(device)
-            compress_side = self._side("compressors", device)
-            index_side = self._side("indexer", device) if ratio == 4 else None
-            compress_side.wait_stream(main)
-            with torch.cuda.stream(compress_side):
-                compress(b)
-            qkv(b, index_side)
-            main.wait_stream(compress_side)
-            if index_side is not None:
-                main.wait_stream(index_side)
+        def attention_inputs(b: dict) -> None:
+            # q on this stream; alongside, each a chain of small latency-bound launches that leaves
+            # the GPU mostly idle: the window's KV, the compressors (compressed layers) and, once qr
+            # is made, the indexer's query (CSA). All joined before the stage ends.
+            y = b[f"{L}.y"]
+            main, rows = torch.cuda.current_stream(y.device), y.shape[0]
+            sides = [self._alongside("compressors", lambda: compress(b), [y])] if ratio else []
+            xq, sx = act_quant(y)
+
+            def window_kv() -> None:
+                kv = rms_norm(self.wkv.forward_quantized(xq, sx), self.kv_norm, c.norm_eps, rope=(ix.cos, ix.sin))
+                pack_kv(kv, cache.pool, ix.window_slot)
+
+            sides.append(self._alongside("kv", window_kv, [xq, sx]))
+            qr = rms_norm(self.wq_a.forward_quantized(xq, sx), self.q_norm, c.norm_eps)
+            b[f"{L}.qr_q"] = act_quant(qr)
+            if ratio == 4:
+                sides.append(self._alongside("indexer", lambda: index_query(b), b[f"{L}.qr_q"]))
+            b[f"{L}.q"] = rms_norm(self.wq_b.forward_quantized(*b[f"{L}.qr_q"]).view(rows, heads, hd), None, c.norm_eps, rope=(ix.cos, ix.sin))
+            for side in sides:
+                main.wait_stream(side)
+            if ratio == 4:
                 for t in (b[f"{L}.weights"], *b[f"{L}.qi"]):  # made on the side streams, read here
                     t.record_stream(main)
 
         out = [Stage(f"L{L} mHC mixes + collapse + norm (Sinkhorn alongside)", "kernels", mhc_attn)]
+        compressors = f"the {kind} compressor{'s' if ratio == 4 else ''} (projections; pooling, norm, RoPE, entry write)" if ratio else ""
+        index_query_note = "the indexer query (wq_b, RoPE, FP4; Hadamard in torch)" if ratio == 4 else ""
+        alongside = ", ".join(part for part in ("the kv projection, norm, RoPE and window write", compressors, index_query_note) if part)
+        out.append(Stage(f"L{L} q projections, norms, RoPE; alongside, {alongside}", "kernels + torch" if ratio else "kernels", attention_inputs))
         if ratio == 4:
-            out += [
-                Stage(f"L{L} q / kv projections, norms, RoPE, window write; alongside, the CSA compressors (projections; pooling, norm, "
-                      "RoPE, entry write) and the indexer query (wq_b, RoPE, FP4; Hadamard in torch)", "kernels + torch", qkv_and_compress),
-                Stage(f"L{L} index scores + top-{c.index_topk}", "kernels", index_select),
-            ]
-        elif ratio:
-            out.append(Stage(f"L{L} q / kv projections, norms, RoPE, window write; alongside, the {kind} compressor "
-                             "(projections; pooling, norm, RoPE, entry write)", "kernels + torch", qkv_and_compress))
-        else:
-            out.append(Stage(f"L{L} q / kv projections, norms, RoPE, window write", "kernels", qkv))
+            out.append(Stage(f"L{L} index scores + top-{c.index_topk}", "kernels", index_select))
         out += [
             Stage(f"L{L} sparse attention ({kind}) + inverse RoPE", "kernels", attend),
             Stage(f"L{L} wo_a (FP8 grouped GEMV)", "kernels", wo_a),
