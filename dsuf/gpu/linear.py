@@ -3,9 +3,11 @@
 `Fp8Linear` computes what the reference `layers.Linear` does in reference numerics for an FP8
 checkpoint weight: the input is FP8-quantised per row and 128-block (`quant.act_quant_fp8`),
 multiplied by the e4m3 weight with its 128x128 E8M0 block scales, accumulated in fp32 and
-rounded to bf16. Up to 32 tokens go through one launch of kernels_cu/gemm.cu; larger batches are
-cut into 32-token slices, and from dense.DENSE_MIN_ROWS rows (prompt chunks) the matmul runs on
-cuBLAS over a bf16 copy of the weight (dense.py).
+rounded to bf16. Up to 8 tokens, where a CTA per 16-128 rows gives at most one CTA an SM and its
+rows fit in shared memory, kernels_cu/fp8_rows.cu runs it (no split K); otherwise up to 32 tokens
+go through one launch of kernels_cu/gemm.cu; larger batches are cut into 32-token slices, and
+from dense.DENSE_MIN_ROWS rows (prompt chunks) the matmul runs on cuBLAS over a bf16 copy of the
+weight (dense.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,39 @@ from .runtime import get_kernel, ptr
 BLOCK = 128  # V4-Flash weight blocks and activation blocks
 MAX_TOKENS = 32  # tokens per launch: 4 mma column tiles of 8
 CTA_ROWS = 128  # output rows per CTA
+
+
+ROWS_TOKENS = 8  # fp8_rows: tokens a launch
+ROWS_SHARED_MAX = 200 << 10  # fp8_rows: a CTA's rows, 8 activation rows and 4 KB of sums
+
+
+class RowsParams(ctypes.Structure):
+    """Mirror of `struct RowsParams` in kernels_cu/fp8_rows.cu."""
+
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("ws", ctypes.c_void_p),
+        ("xq", ctypes.c_void_p),
+        ("sx", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("N", ctypes.c_int),
+        ("K", ctypes.c_int),
+        ("M", ctypes.c_int),
+        ("R", ctypes.c_int),
+    ]
+
+
+def rows_shared_bytes(rows: int, k: int) -> int:
+    return (rows + ROWS_TOKENS) * (k + 64) + 4096
+
+
+def rows_per_cta(n: int, k: int, sms: int) -> int | None:
+    """fp8_rows' rows a CTA for an [n, k] weight: the fewest (the most CTAs) that give at most one
+    CTA an SM and fit in shared memory; None where no choice does."""
+    for rows in (16, 32, 64, 128):
+        if n % rows == 0 and n // rows <= sms and rows_shared_bytes(rows, k) <= ROWS_SHARED_MAX:
+            return rows
+    return None
 
 
 class GemmParams(ctypes.Structure):
@@ -111,6 +146,7 @@ class Fp8Linear:
         self.weight = weight.contiguous()
         self.scale = scale_bytes(scale)
         self.counter = torch.zeros(n // CTA_ROWS, dtype=torch.int32, device=weight.device)
+        self.rows = rows_per_cta(n, k, sm_count(weight.device))
 
     @property
     def out_features(self) -> int:
@@ -134,6 +170,10 @@ class Fp8Linear:
             return out.copy_(y) if out is not None else y
         if out is None:
             out = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
+        if m <= ROWS_TOKENS and self.rows is not None:
+            p = RowsParams(self.weight.data_ptr(), self.scale.data_ptr(), xq.data_ptr(), sx.data_ptr(), out.data_ptr(), n, self.in_features, m, self.rows)
+            get_kernel("fp8_rows", "fp8_rows_m8", xq.device)((n // self.rows, 1, 1), 256, [p], shared=rows_shared_bytes(self.rows, self.in_features))
+            return out
         for lo in range(0, m, MAX_TOKENS):
             hi = min(m, lo + MAX_TOKENS)
             launch_fp8(self.weight, self.scale, None, xq[lo:hi], sx[lo:hi], out[lo:hi], None, self.counter)

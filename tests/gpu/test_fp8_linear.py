@@ -66,3 +66,26 @@ def test_fp8_linear_beyond_one_launch(cuda):
     x = random_activations(70, k, cuda)
     rel, worst = compare("attn.wq_a x 70 tokens", Fp8Linear(w, s)(x), reference(w, s, x))
     assert rel < 2.5e-3 and worst <= 1.0
+
+
+# Tensor-parallel shards (two ranks) that fp8_rows takes at decode: a CTA per 16-128 rows.
+TP2_SHAPES = {"attn.wq_b / 2": (16384, 1024), "attn.wo_b / 2": (4096, 4096), "shared.w2 / 2": (4096, 1024)}
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("name", ["attn.wq_a", "attn.wkv", "indexer.wq_b", *TP2_SHAPES])
+def test_fp8_rows_equals_the_reference(cuda, name, m):
+    """The no-split-K kernel (fp8_rows.cu) on the shapes it takes, against the reference; tokens
+    past m must not leak into the sums."""
+    from dsuf.gpu.linear import rows_per_cta, sm_count
+
+    n, k = {**SHAPES, **TP2_SHAPES}[name]
+    assert rows_per_cta(n, k, sm_count(cuda)) is not None, "fp8_rows should take this shape"
+    w, s = random_fp8_weight(n, k, cuda)
+    x = random_activations(m, k, cuda)
+    lin = Fp8Linear(w, s)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=cuda)  # poison
+    lin(x, out=out)
+    rel, worst = compare(f"fp8_rows {name} [{n}, {k}] x {m} tokens", out, reference(w, s, x))
+    assert rel < 2.5e-3 and worst <= 1.0
+    assert torch.equal(lin(x), out), "not deterministic"

@@ -1,0 +1,95 @@
+// Decode FP8 linears (up to 8 tokens) whose rows split into about one CTA per SM without
+// splitting K: y[m, n] = sum_k xq[m, k] sx[m, k/128] * W[n, k] sw(n, k), as gemm.cu's FP8 path
+// computes it (mma.sync m16n8k32 e4m3, a block's sum scaled and added in fp32), bf16 out.
+//
+// A CTA owns R consecutive rows (R in 16, 32, 64, 128: one scale row-block) and all of K. Before
+// the PDL wait, its threads post one bulk copy per row into shared memory (rows padded to K + 64
+// bytes so that the 8 lanes of a 16-byte access phase hit distinct banks), each 16-row group
+// completing on its own mbarrier: the CTA's whole weight slice is in flight at once, from the
+// moment the CTA is scheduled, and no partial sums leave the CTA. Then it waits for the kernel
+// before it and copies the activations in the same way. Warp (rg, kp) multiplies row group rg over
+// its share kp of the K blocks; the K shares are summed in shared memory in a fixed order.
+//
+// Fragments as in gemm.cu: lane = 4g + t holds 16 bytes of rows g and g + 8 at 16t and 64 + 16t
+// of each 128-byte K block, and the matching bytes of token g's activations.
+#include "common.cuh"
+
+#define ROWS_THREADS 256
+#define ROWS_WARPS (ROWS_THREADS / 32)
+#define ROWS_MAX_GROUPS 8  // R <= 128
+
+struct RowsParams {
+  const u8* w;      // e4m3 [N, K]
+  const u8* ws;     // E8M0 [N/128, K/128]
+  const u8* xq;     // e4m3 [M, K]
+  const float* sx;  // [M, K/128]
+  u16* out;         // bf16 [M, N]
+  int N, K, M, R;
+};
+
+extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_m8(const __grid_constant__ RowsParams p) {
+  extern __shared__ __align__(128) u8 smem[];
+  __shared__ u64 bars[ROWS_MAX_GROUPS + 1];  // a barrier a 16-row group, then the activations'
+  const int K = p.K, KB = K >> 7, pitch = K + 64, groups = p.R >> 4;
+  const int r0 = blockIdx.x * p.R;
+  u8* ws_ = smem;                     // [R][pitch] weights
+  u8* xs = smem + p.R * pitch;        // [8][pitch] activations (tokens >= M: zeros)
+  float* red = reinterpret_cast<float*>(xs + 8 * pitch);  // [K shares][R][8] partial sums
+
+  if (threadIdx.x == 0) {
+    for (int b = 0; b <= groups; ++b) mbar_init(&bars[b]);
+    for (int b = 0; b < groups; ++b) mbar_expect_bytes(&bars[b], 16 * K);
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < p.R; r += ROWS_THREADS) bulk_copy(ws_ + r * pitch, p.w + (i64)(r0 + r) * K, K, &bars[r >> 4]);
+  pdl_begin();
+  if (threadIdx.x == 0) mbar_expect_bytes(&bars[groups], p.M * K);
+  __syncthreads();  // the expectation is posted before any activation copy completes
+  if (threadIdx.x < p.M) bulk_copy(xs + threadIdx.x * pitch, p.xq + (i64)threadIdx.x * K, K, &bars[groups]);
+  for (int i = p.M * (K / 16) + threadIdx.x; i < 8 * (K / 16); i += ROWS_THREADS) {
+    const int m = i / (K / 16), c = i % (K / 16);
+    *reinterpret_cast<uint4*>(xs + m * pitch + 16 * c) = make_uint4(0, 0, 0, 0);
+  }
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int shares = ROWS_WARPS / groups, rg = warp % groups, kp = warp / groups;
+  const int kb0 = kp * KB / shares, kb1 = (kp + 1) * KB / shares;
+  const u8* wrow = ws_ + (rg * 16 + g) * pitch + 16 * t;
+  const u8* xrow = xs + g * pitch + 16 * t;
+  const u8* sw_row = p.ws + (i64)(r0 >> 7) * KB;
+  const int ca = 2 * t, ca1 = 2 * t + 1;  // this lane's accumulator tokens
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  __syncthreads();  // the zero rows are written
+  mbar_wait(&bars[rg], 0);
+  mbar_wait(&bars[groups], 0);
+  for (int kb = kb0; kb < kb1; ++kb) {
+    const int off = kb * 128;
+    const uint4 w0 = *reinterpret_cast<const uint4*>(wrow + off), w1 = *reinterpret_cast<const uint4*>(wrow + off + 64);
+    const uint4 w2 = *reinterpret_cast<const uint4*>(wrow + 8 * pitch + off), w3 = *reinterpret_cast<const uint4*>(wrow + 8 * pitch + off + 64);
+    const uint4 x0 = *reinterpret_cast<const uint4*>(xrow + off), x1 = *reinterpret_cast<const uint4*>(xrow + off + 64);
+    float d[4];
+    mma_e4m3(d, w0.x, w2.x, w0.y, w2.y, x0.x, x0.y);
+    mma_e4m3_acc(d, w0.z, w2.z, w0.w, w2.w, x0.z, x0.w);
+    mma_e4m3_acc(d, w1.x, w3.x, w1.y, w3.y, x1.x, x1.y);
+    mma_e4m3_acc(d, w1.z, w3.z, w1.w, w3.w, x1.z, x1.w);
+    const float sw = e8m0_to_f32(sw_row[kb]);
+    const float s0 = ca < p.M ? sw * p.sx[(i64)ca * KB + kb] : 0.0f, s1 = ca1 < p.M ? sw * p.sx[(i64)ca1 * KB + kb] : 0.0f;
+    acc[0] += d[0] * s0;
+    acc[1] += d[1] * s1;
+    acc[2] += d[2] * s0;
+    acc[3] += d[3] * s1;
+  }
+  const int r = rg * 16 + g;
+  float* part = red + kp * p.R * 8;
+  part[r * 8 + ca] = acc[0];
+  part[r * 8 + ca1] = acc[1];
+  part[(r + 8) * 8 + ca] = acc[2];
+  part[(r + 8) * 8 + ca1] = acc[3];
+  __syncthreads();
+  for (int i = threadIdx.x; i < p.R * p.M; i += ROWS_THREADS) {
+    const int m = i / p.R, row = i % p.R;
+    float sum = 0.0f;
+    for (int s = 0; s < shares; ++s) sum += red[(s * p.R + row) * 8 + m];
+    p.out[(i64)m * p.N + r0 + row] = f32_to_bf16(sum);
+  }
+}
