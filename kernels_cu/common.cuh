@@ -103,6 +103,17 @@ DSUF_DEVICE void mma_e4m3_acc(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// One 128-byte K block of a 16-row e4m3 weight tile times 8 e4m3 token columns, fp32 result (the
+// FP8 linears' fragments, lane = 4g + t): w[0], w[1] = row g's 16 bytes at 16t and 64 + 16t,
+// w[2], w[3] = row g + 8's; x[0], x[1] = token g's at the same offsets. Step s uses words 2s,
+// 2s + 1 of each 32 bytes.
+DSUF_DEVICE void mma_e4m3_kblock(float d[4], const uint4 (&w)[4], const uint4 (&x)[2]) {
+  mma_e4m3(d, w[0].x, w[2].x, w[0].y, w[2].y, x[0].x, x[0].y);
+  mma_e4m3_acc(d, w[0].z, w[2].z, w[0].w, w[2].w, x[0].z, x[0].w);
+  mma_e4m3_acc(d, w[1].x, w[3].x, w[1].y, w[3].y, x[1].x, x[1].y);
+  mma_e4m3_acc(d, w[1].z, w[3].z, w[1].w, w[3].w, x[1].z, x[1].w);
+}
+
 // D += A(16x16 bf16, row) * B(16x8 bf16, col), fp32 accumulators. Fragments (PTX ISA), lane = 4g + t:
 // a0 = (row g, k 2t..2t+1), a1 = (row g+8, same k), a2 = (row g, k 2t+8..), a3 = (row g+8, k 2t+8..);
 // b0 = (k 2t..2t+1, column g), b1 = (k 2t+8.., column g); d0, d1 = (row g, columns 2t, 2t+1),

@@ -10,8 +10,8 @@
 // before it and copies the activations in the same way. Warp (rg, kp) multiplies row group rg over
 // its share kp of the K blocks; the K shares are summed in shared memory in a fixed order.
 //
-// Fragments as in gemm.cu: lane = 4g + t holds 16 bytes of rows g and g + 8 at 16t and 64 + 16t
-// of each 128-byte K block, and the matching bytes of token g's activations.
+// Fragments as in gemm.cu (mma_e4m3_kblock): lane = 4g + t holds 16 bytes of rows g and g + 8 at
+// 16t and 64 + 16t of each 128-byte K block, and the matching bytes of token g's activations.
 #include "common.cuh"
 
 #define ROWS_THREADS 256
@@ -64,14 +64,11 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_m8(const 
   mbar_wait(&bars[groups], 0);
   for (int kb = kb0; kb < kb1; ++kb) {
     const int off = kb * 128;
-    const uint4 w0 = *reinterpret_cast<const uint4*>(wrow + off), w1 = *reinterpret_cast<const uint4*>(wrow + off + 64);
-    const uint4 w2 = *reinterpret_cast<const uint4*>(wrow + 8 * pitch + off), w3 = *reinterpret_cast<const uint4*>(wrow + 8 * pitch + off + 64);
-    const uint4 x0 = *reinterpret_cast<const uint4*>(xrow + off), x1 = *reinterpret_cast<const uint4*>(xrow + off + 64);
+    const uint4 w[4] = {*reinterpret_cast<const uint4*>(wrow + off), *reinterpret_cast<const uint4*>(wrow + off + 64),
+                        *reinterpret_cast<const uint4*>(wrow + 8 * pitch + off), *reinterpret_cast<const uint4*>(wrow + 8 * pitch + off + 64)};
+    const uint4 x[2] = {*reinterpret_cast<const uint4*>(xrow + off), *reinterpret_cast<const uint4*>(xrow + off + 64)};
     float d[4];
-    mma_e4m3(d, w0.x, w2.x, w0.y, w2.y, x0.x, x0.y);
-    mma_e4m3_acc(d, w0.z, w2.z, w0.w, w2.w, x0.z, x0.w);
-    mma_e4m3_acc(d, w1.x, w3.x, w1.y, w3.y, x1.x, x1.y);
-    mma_e4m3_acc(d, w1.z, w3.z, w1.w, w3.w, x1.z, x1.w);
+    mma_e4m3_kblock(d, w, x);
     const float sw = e8m0_to_f32(sw_row[kb]);
     const float s0 = ca < p.M ? sw * p.sx[(i64)ca * KB + kb] : 0.0f, s1 = ca1 < p.M ? sw * p.sx[(i64)ca1 * KB + kb] : 0.0f;
     acc[0] += d[0] * s0;

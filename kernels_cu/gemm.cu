@@ -116,14 +116,8 @@ DSUF_DEVICE void fp8_compute(const Fp8Stage<MT, U>& st, const u8* ws_row, int kb
     const float sw = e8m0_to_f32(ws_row[kb + u]);
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
-      const uint4(&w)[4] = st.w[u];
-      const uint4(&x)[2] = st.x[u][j];
       float d[4];
-      // Step s uses words 2s, 2s+1 of the lane's 32 bytes (16 at +16t, 16 at +64+16t).
-      mma_e4m3(d, w[0].x, w[2].x, w[0].y, w[2].y, x[0].x, x[0].y);
-      mma_e4m3_acc(d, w[0].z, w[2].z, w[0].w, w[2].w, x[0].z, x[0].w);
-      mma_e4m3_acc(d, w[1].x, w[3].x, w[1].y, w[3].y, x[1].x, x[1].y);
-      mma_e4m3_acc(d, w[1].z, w[3].z, w[1].w, w[3].w, x[1].z, x[1].w);
+      mma_e4m3_kblock(d, st.w[u], st.x[u][j]);
       const float s0 = sw * st.sa[u][j], s1 = sw * st.sb[u][j];
       acc[j][0] += d[0] * s0;
       acc[j][1] += d[1] * s1;
