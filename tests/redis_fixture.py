@@ -12,6 +12,7 @@ Use it from a test module with `from redis_fixture import redis_server  # noqa: 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -26,9 +27,25 @@ START_TIMEOUT = 10.0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, chosen below the kernel's ephemeral range: a port the kernel hands
+    out for `bind(0)` (a server's `--kv-port 0`, a client socket) can never take it meanwhile."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12_000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def ping(port: int, timeout: float = 0.2) -> bool:

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,15 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
+from redis_fixture import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_env(cache_home: Path, **extra: str) -> dict[str, str]:
@@ -127,16 +121,25 @@ class Server:
     """One `dsuf serve` process on a free port."""
 
     def __init__(self, log_path: Path, args: list[str], env: dict[str, str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._log_file = open(log_path, "wb")
+        self._args, self._env = args, env
         self.readyz_history: list[int | str] = []  # every /readyz answer while waiting ("refused" = no listener yet)
         self.loading_probe: object = None
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log_file = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dsuf", "serve", "--port", str(self.port), *args],
-            stdout=self._log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+            [sys.executable, "-m", "dsuf", "serve", "--port", str(self.port), *self._args],
+            stdout=self._log_file, stderr=subprocess.STDOUT, env=self._env, cwd=REPO,
         )
+
+    def _lost_its_port(self) -> bool:
+        """The process exited because another process bound its port between `free_port()` and its own bind."""
+        return self.proc.returncode != 0 and any(
+            "address already in use" in line and str(self.port) in line for line in self.log().splitlines())
 
     # ---- the log ---------------------------------------------------------------------------------
 
@@ -170,8 +173,14 @@ class Server:
 
         `while_loading(server)` runs once, at the first 503; its result is kept as `loading_probe`."""
         deadline = time.monotonic() + timeout
+        respawns = 2
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if respawns and self._lost_its_port():
+                    respawns -= 1
+                    self._log_file.close()
+                    self._spawn()
+                    continue
                 raise AssertionError(f"the server exited with {self.proc.returncode} before it was ready; log:\n{self.log()}")
             status = self.readyz()
             self.readyz_history.append(status)

@@ -43,7 +43,10 @@ def run(coro: Awaitable[T], timeout: float = 15.0) -> T:
 
 
 def directory(url: str, server_id: str, **kw: Any) -> OwnershipDirectory:
+    """A directory with a generous Redis deadline (a loaded CI machine can take 0.2 s for a call);
+    the tests of the deadline itself pass their own `op_timeout`."""
     port = 7000 + sum(map(ord, server_id)) % 1000
+    kw.setdefault("op_timeout", 2.0)
     return OwnershipDirectory(url, server_id, ctrl_addr=f"127.0.0.1:{port}", transports=["tcp"], **kw)
 
 
