@@ -159,6 +159,15 @@ DSUF_DEVICE float silu_f64(float g) {
 
 DSUF_DEVICE u32 bf16x2(float lo, float hi) { return f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16); }
 
+// RoPE (layers.Rope.apply, GPT-J pairs) on the trailing 2 * ROPE_PAIRS dims of a head: the pair
+// (x0, x1) of bf16x2 v -> (x0 c - x1 s, x0 s + x1 c), each product and sum rounded to float32 (no
+// FMA), back to bf16; s negated is the inverse rotation.
+#define ROPE_PAIRS 32
+DSUF_DEVICE u32 rotate_pair(u32 v, float c, float s) {
+  const float x0 = bf16_to_f32(v & 0xffff), x1 = bf16_to_f32(v >> 16);
+  return bf16x2(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)), __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c)));
+}
+
 // ---- thread-block clusters: rank, barrier, reads of another CTA's shared memory ----
 
 DSUF_DEVICE u32 cluster_ctarank() {

@@ -25,7 +25,6 @@
 
 #define NEG_INF __int_as_float(0xff800000)
 #define CH 64  // pooled channels per CTA
-#define ROPE_PAIRS 32
 #define HADAMARD_SCALE ((float)0.08838834764831845)  // f32(128**-0.5): quant.hadamard_matrix(128)'s entries
 
 struct CompressParams {
@@ -240,10 +239,8 @@ DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
   }
   __syncthreads();
   if (threadIdx.x < ROPE_PAIRS) {
-    const int d = WIDTH - 2 * ROPE_PAIRS + 2 * threadIdx.x;
-    const float x0 = bf16_to_f32(s_out[d]), x1 = bf16_to_f32(s_out[d + 1]);
-    s_out[d] = f32_to_bf16(__fsub_rn(__fmul_rn(x0, rope_cos), __fmul_rn(x1, rope_sin)));
-    s_out[d + 1] = f32_to_bf16(__fadd_rn(__fmul_rn(x0, rope_sin), __fmul_rn(x1, rope_cos)));
+    u32* pair = reinterpret_cast<u32*>(s_out + WIDTH - 2 * ROPE_PAIRS) + threadIdx.x;
+    *pair = rotate_pair(*pair, rope_cos, rope_sin);
   }
   __syncthreads();
   if (p.latent) {

@@ -8,17 +8,39 @@
 // hc_collapse_rmsnorm_bf16 with pre formed from the mHC site's mixes in the kernel (a decode
 // site's block input: mhc.cu makes post and comb meanwhile). One CTA of 256 threads per row, 8
 // elements a thread per pass, D % 8 == 0 and D <= 8192.
+//
+// Every kernel can also write its bf16 output FP8-quantised as act_quant.cu would quantise it
+// (xq e4m3 [rows, D], sx float32 [rows, D/128]; D % 128 == 0): the 16 threads that hold a
+// 128-block find its amax with shuffles. Where out is null only the quantised rows are written.
+// This saves the FP8 linear that follows a norm its own act_quant launch.
 #include "mhc.cuh"
 
 #define VPT 4  // 16-byte vectors per thread: D <= 256 * 8 * VPT
 
-#define ROPE_PAIRS 32
-
 // pre: the row's n collapse coefficients (COLLAPSE); cos_t / sin_t [positions, 32] or null (no
 // rotation); row r is at position r / per_pos.
+// The 8 bf16 values o of a thread at column d of `row`, FP8-quantised with the scale of their
+// 128-block (its 16 threads: the lanes of one half-warp).
+DSUF_DEVICE void quantize8(const u32 o[4], u8* __restrict__ xq, float* __restrict__ sx, i64 row, int d, int D) {
+  float f[8];
+  float amax = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    f[2 * k] = bf16_to_f32(o[k] & 0xffff);
+    f[2 * k + 1] = bf16_to_f32(o[k] >> 16);
+    amax = fmaxf(amax, fmaxf(fabsf(f[2 * k]), fabsf(f[2 * k + 1])));
+  }
+  const u32 half = 0xffffu << (threadIdx.x & 16);
+#pragma unroll
+  for (int s = 8; s; s >>= 1) amax = fmaxf(amax, __shfl_xor_sync(half, amax, s));
+  const int e = act_scale_exponent(amax);
+  *reinterpret_cast<uint2*>(xq + row * D + d) = make_uint2(quant4_e4m3(f[0], f[1], f[2], f[3], e), quant4_e4m3(f[4], f[5], f[6], f[7], e));
+  if ((threadIdx.x & 15) == 0) sx[row * (D >> 7) + (d >> 7)] = pow2f(e);
+}
+
 template <bool COLLAPSE>
 DSUF_DEVICE void rmsnorm_row(const u16* __restrict__ x, const float* __restrict__ pre, int n,
-                             const float* __restrict__ w, u16* __restrict__ out, int D, float eps,
+                             const float* __restrict__ w, u16* __restrict__ out, u8* __restrict__ xq, float* __restrict__ sx, int D, float eps,
                              const float* __restrict__ cos_t = nullptr, const float* __restrict__ sin_t = nullptr, int per_pos = 1) {
   __shared__ double partial[8];
   const int row = blockIdx.x;
@@ -74,24 +96,20 @@ DSUF_DEVICE void rmsnorm_row(const u16* __restrict__ x, const float* __restrict_
         a = w[d + 2 * k] * a;
         b = w[d + 2 * k + 1] * b;
       }
+      o[k] = bf16x2(a, b);
       const int pair = (d + 2 * k - (D - 2 * ROPE_PAIRS)) / 2;
-      if (cos_t && pair >= 0) {
-        const float x0 = bf16_to_f32(f32_to_bf16(a)), x1 = bf16_to_f32(f32_to_bf16(b));
-        const float c = cos_t[(row / per_pos) * ROPE_PAIRS + pair], sn = sin_t[(row / per_pos) * ROPE_PAIRS + pair];
-        a = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
-        b = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
-      }
-      o[k] = f32_to_bf16(a) | ((u32)f32_to_bf16(b) << 16);
+      if (cos_t && pair >= 0) o[k] = rotate_pair(o[k], cos_t[(row / per_pos) * ROPE_PAIRS + pair], sin_t[(row / per_pos) * ROPE_PAIRS + pair]);
     }
-    *reinterpret_cast<uint4*>(out + (i64)row * D + d) = make_uint4(o[0], o[1], o[2], o[3]);
+    if (out) *reinterpret_cast<uint4*>(out + (i64)row * D + d) = make_uint4(o[0], o[1], o[2], o[3]);
+    if (xq) quantize8(o, xq, sx, row, d, D);
   }
 }
 
-// x [rows, D] bf16, w [D] float32 or null -> out [rows, D] bf16.
+// x [rows, D] bf16, w [D] float32 or null -> out [rows, D] bf16 and / or (xq, sx).
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_bf16(
-    const u16* x, const float* w, u16* out, int D, float eps) {
+    const u16* x, const float* w, u16* out, u8* xq, float* sx, int D, float eps) {
   pdl_begin();
-  rmsnorm_row<false>(x, nullptr, 1, w, out, D, eps);
+  rmsnorm_row<false>(x, nullptr, 1, w, out, xq, sx, D, eps);
 }
 
 // x [rows, D] bf16, w [D] float32 or null -> out [rows, D] bf16, its last 64 dims rotated by
@@ -99,23 +117,25 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_bf16(
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_rope_bf16(
     const u16* x, const float* w, u16* out, int D, float eps, const float* cos_t, const float* sin_t, int per_pos) {
   pdl_begin();
-  rmsnorm_row<false>(x, nullptr, 1, w, out, D, eps, cos_t, sin_t, per_pos);
+  rmsnorm_row<false>(x, nullptr, 1, w, out, nullptr, nullptr, D, eps, cos_t, sin_t, per_pos);
 }
 
-// X [rows, n, D] bf16 streams, pre [rows, n] float32, w [D] float32 -> out [rows, D] bf16.
+// X [rows, n, D] bf16 streams, pre [rows, n] float32, w [D] float32 -> out [rows, D] bf16 (and
+// (xq, sx) unless null).
 extern "C" __global__ void __launch_bounds__(256) hc_collapse_rmsnorm_bf16(
-    const u16* x, const float* pre, int n, const float* w, u16* out, int D, float eps) {
+    const u16* x, const float* pre, int n, const float* w, u16* out, u8* xq, float* sx, int D, float eps) {
   pdl_begin();
-  rmsnorm_row<true>(x, pre + (i64)blockIdx.x * n, n, w, out, D, eps);
+  rmsnorm_row<true>(x, pre + (i64)blockIdx.x * n, n, w, out, xq, sx, D, eps);
 }
 
 // X [rows, 4, D] bf16 streams, mix [rows, 24] float32 (the site's mixes), scale [3], base [24],
-// w [D] float32 -> out [rows, D] bf16.
+// w [D] float32 -> out [rows, D] bf16 (and (xq, sx) unless null).
 extern "C" __global__ void __launch_bounds__(256) hc_pre_collapse_rmsnorm_bf16(
-    const u16* x, const float* mix, const float* scale, const float* base, float hc_eps, const float* w, u16* out, int D, float eps) {
+    const u16* x, const float* mix, const float* scale, const float* base, float hc_eps, const float* w, u16* out, u8* xq, float* sx,
+    int D, float eps) {
   pdl_begin();
   __shared__ float pre[HC_N];
   if (threadIdx.x < HC_N) pre[threadIdx.x] = hc_pre_value(mix[(i64)blockIdx.x * HC_MIXES + threadIdx.x], scale[0], base[threadIdx.x], hc_eps);
   __syncthreads();
-  rmsnorm_row<true>(x, pre, HC_N, w, out, D, eps);
+  rmsnorm_row<true>(x, pre, HC_N, w, out, xq, sx, D, eps);
 }

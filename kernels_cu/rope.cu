@@ -4,8 +4,6 @@
 // x bf16 [rows, heads, dim]; cos / sin float32 [rows, 32] (the row's position). One thread a pair.
 #include "common.cuh"
 
-#define ROPE_PAIRS 32
-
 extern "C" __global__ void __launch_bounds__(256) rope_bf16(
     u16* __restrict__ x, const float* __restrict__ cos_t, const float* __restrict__ sin_t, int rows, int heads,
     int dim, int inverse) {
@@ -16,11 +14,6 @@ extern "C" __global__ void __launch_bounds__(256) rope_bf16(
   const i64 head = i / ROPE_PAIRS;
   const int row = (int)(head / heads);
   u32* p = reinterpret_cast<u32*>(x + head * dim + dim - 2 * ROPE_PAIRS + 2 * pair);
-  const u32 v = *p;
-  const float x0 = bf16_to_f32(v & 0xffff), x1 = bf16_to_f32(v >> 16);
-  const float c = cos_t[row * ROPE_PAIRS + pair];
-  const float s = inverse ? -sin_t[row * ROPE_PAIRS + pair] : sin_t[row * ROPE_PAIRS + pair];
-  const float r0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-  const float r1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
-  *p = bf16x2(r0, r1);
+  const float s = sin_t[row * ROPE_PAIRS + pair];
+  *p = rotate_pair(*p, cos_t[row * ROPE_PAIRS + pair], inverse ? -s : s);
 }

@@ -39,6 +39,8 @@ struct AttnParams {
   int splits;
   float scale;         // softmax scale (head_dim ** -0.5)
   int heads;           // query heads a row has (a tensor-parallel rank's share of 64)
+  const float* cos_t;  // [rows, 32] or null: sparse_attn_combine then rotates the output's last
+  const float* sin_t;  // 64 dims back by the row's position (rope.cu's inverse, on the bf16 output)
 };
 
 // Shared memory of sparse_attn_decode, in bytes (the launcher asks for this much).
@@ -244,7 +246,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
 }
 
 // out[row, h] = sum_s w_s O_s / (sum_s w_s l_s + exp(sink[h] - M)), w_s = exp(m_s - M), M = max_s m_s;
-// the splits in order. grid (heads, rows), 128 threads x 4 dims.
+// the splits in order; then the inverse RoPE if cos_t is given. grid (heads, rows), 128 threads x 4 dims.
 extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine(const __grid_constant__ AttnParams p) {
   pdl_begin();
   const int h = blockIdx.x, row = blockIdx.y, d = 4 * threadIdx.x;
@@ -264,5 +266,11 @@ extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine(const __gr
     o.w += v.w * w;
   }
   l += expf(p.sink[h] - ref);
-  *reinterpret_cast<uint2*>(p.out + ((i64)row * p.heads + h) * DIM + d) = make_uint2(bf16x2(o.x / l, o.y / l), bf16x2(o.z / l, o.w / l));
+  u32 lo = bf16x2(o.x / l, o.y / l), hi = bf16x2(o.z / l, o.w / l);
+  if (p.cos_t && d >= DIM - 2 * ROPE_PAIRS) {
+    const int pair = (d - (DIM - 2 * ROPE_PAIRS)) / 2;
+    lo = rotate_pair(lo, p.cos_t[row * ROPE_PAIRS + pair], -p.sin_t[row * ROPE_PAIRS + pair]);
+    hi = rotate_pair(hi, p.cos_t[row * ROPE_PAIRS + pair + 1], -p.sin_t[row * ROPE_PAIRS + pair + 1]);
+  }
+  *reinterpret_cast<uint2*>(p.out + ((i64)row * p.heads + h) * DIM + d) = make_uint2(lo, hi);
 }

@@ -81,6 +81,8 @@ class AttnParams(ctypes.Structure):
         ("splits", ctypes.c_int),
         ("scale", ctypes.c_float),
         ("heads", ctypes.c_int),
+        ("cos_t", ctypes.c_void_p),
+        ("sin_t", ctypes.c_void_p),
     ]
 
 
@@ -94,11 +96,14 @@ def choose_splits(n_idx: int, rows: int, sms: int) -> tuple[int, int]:
 
 
 def sparse_attention(
-    q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float, out: torch.Tensor | None = None
+    q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+    inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q bf16 [rows, H, 512] (after the per-head norm and RoPE; H <= 64: a tensor-parallel rank's
     heads) against the pool entries named by idx int32 [rows, n] (< 0: none), with attention sinks
-    float32 [H] -> bf16 [rows, H, 512]. Each row must name at least one entry."""
+    float32 [H] -> bf16 [rows, H, 512]. Each row must name at least one entry. inverse_rope =
+    (cos, sin) float32 [rows, 32]: the output's last 64 dims are then rotated back as
+    rope.rope_(out, cos, sin, inverse=True) would, in the same launch."""
     rows, heads = q.shape[0], q.shape[1]
     if q.dtype != torch.bfloat16 or q.dim() != 3 or not 1 <= heads <= HEADS or q.shape[2] != HEAD_DIM or tuple(sink.shape) != (heads,):
         raise ValueError(f"sparse_attention: need bf16 q [rows, H <= {HEADS}, {HEAD_DIM}] and sinks [H], got {q.dtype} {tuple(q.shape)}, {tuple(sink.shape)}")
@@ -113,10 +118,16 @@ def sparse_attention(
     if out is None:
         out = torch.empty((rows, heads, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     q, idx, sink = q.contiguous(), idx.contiguous(), sink.float().contiguous()
+    cos = sin = None
+    if inverse_rope is not None:
+        cos, sin = (t.float().contiguous() for t in inverse_rope)
+        if tuple(cos.shape) != (rows, ROPE_DIM // 2) or tuple(sin.shape) != (rows, ROPE_DIM // 2):
+            raise ValueError(f"sparse_attention: inverse_rope needs cos / sin [{rows}, {ROPE_DIM // 2}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
     p = AttnParams()
     p.q, p.kv, p.idx, p.sink = q.data_ptr(), pool.data_ptr(), idx.data_ptr(), sink.data_ptr()
     p.part_o, p.part_ml, p.out = part_o.data_ptr(), part_ml.data_ptr(), out.data_ptr()
     p.n_idx, p.per_split, p.splits, p.scale, p.heads = n_idx, per_split, splits, scale, heads
+    p.cos_t, p.sin_t = (cos.data_ptr(), sin.data_ptr()) if cos is not None else (0, 0)
     get_kernel("sparse_attn", "sparse_attn_decode", q.device)((splits, rows, 1), 256, [p], shared=SHARED_BYTES)
     get_kernel("sparse_attn", "sparse_attn_combine", q.device)((heads, rows, 1), 128, [p])
     return out

@@ -35,10 +35,10 @@ from .attention import new_pool, pack_kv, sparse_attention
 from .compressor import compress_chunk, compress_decode
 from .gemv import fp8_grouped_gemv
 from .indexer import INDEX_ENTRY_BYTES, fp4_quantize, index_scores, topk_indices
-from .linear import Fp8Linear, act_quant
+from .linear import Fp8Linear
 from .mhc import HcSite, hc_expand
 from .moe import Fp4Experts, Fp8Expert, Moe
-from .norm import rms_norm
+from .norm import rms_norm, rms_norm_fp8
 from .rope import rope_
 from .router import Router
 from .tp import TensorParallel
@@ -309,7 +309,7 @@ class DecodeLayer:
 
         def mhc_attn(b: dict) -> None:
             site = self.hc_attn.block_input(b[f"x{L}"], self.attn_norm, c.norm_eps)
-            b[f"{L}.y"], b[f"{L}.post"], b[f"{L}.comb"] = site.y, site.post, site.comb
+            b[f"{L}.y"], b[f"{L}.yq"], b[f"{L}.post"], b[f"{L}.comb"] = site.y, site.yq, site.post, site.comb
             if site.ready is not None:
                 b[f"{L}.comb{READY}"] = site.ready
 
@@ -339,8 +339,7 @@ class DecodeLayer:
             topk_indices(scores, ix.n_keys, c.index_topk, out=ix.attn_idx, out_col=c.window_size, offset=ix.comp_base)
 
         def attend(b: dict) -> None:
-            o = sparse_attention(b[f"{L}.q"], cache.pool, ix.attn_idx, self.sink, hd**-0.5)
-            b[f"{L}.o"] = rope_(o, ix.cos, ix.sin, inverse=True)
+            b[f"{L}.o"] = sparse_attention(b[f"{L}.q"], cache.pool, ix.attn_idx, self.sink, hd**-0.5, inverse_rope=(ix.cos, ix.sin))
             if ix.ring_copy is not None:  # every row has attended: the chunk's last W positions join the ring
                 src, dst = ix.ring_copy
                 cache.pool[dst.long()] = cache.pool[src.long()]
@@ -354,14 +353,14 @@ class DecodeLayer:
 
         def mhc_ffn_route(b: dict) -> None:
             site = self.hc_ffn.block_input(b[f"{L}.xa"], self.ffn_norm, c.norm_eps)
-            b[f"{L}.y2"], b[f"{L}.post2"], b[f"{L}.comb2"] = site.y, site.post, site.comb
+            b[f"{L}.y2"], b[f"{L}.y2q"], b[f"{L}.post2"], b[f"{L}.comb2"] = site.y, site.yq, site.post, site.comb
             if site.ready is not None:
                 b[f"{L}.comb2{READY}"] = site.ready
             b[f"{L}.route"] = self.router(b[f"{L}.y2"], b["ids"])
 
         def moe_expand(b: dict) -> None:
             wait_for(b, f"{L}.comb2{READY}")
-            b[f"{L}.moe"], b[f"x{L + 1}"] = self._sum_expand(self.moe(b[f"{L}.y2"], *b[f"{L}.route"]), b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
+            b[f"{L}.moe"], b[f"x{L + 1}"] = self._sum_expand(self.moe(b[f"{L}.y2"], *b[f"{L}.route"], xq=b[f"{L}.y2q"]), b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
 
         def attention_inputs(b: dict) -> None:
             # q on this stream; alongside, each a chain of small latency-bound launches that leaves
@@ -370,15 +369,14 @@ class DecodeLayer:
             y = b[f"{L}.y"]
             main, rows = torch.cuda.current_stream(y.device), y.shape[0]
             sides = [self._alongside("compressors", lambda: compress(b), [y])] if ratio else []
-            xq, sx = act_quant(y)
+            xq, sx = b[f"{L}.yq"]
 
             def window_kv() -> None:
                 kv = rms_norm(self.wkv.forward_quantized(xq, sx), self.kv_norm, c.norm_eps, rope=(ix.cos, ix.sin))
                 pack_kv(kv, cache.pool, ix.window_slot)
 
             sides.append(self._alongside("kv", window_kv, [xq, sx]))
-            qr = rms_norm(self.wq_a.forward_quantized(xq, sx), self.q_norm, c.norm_eps)
-            b[f"{L}.qr_q"] = act_quant(qr)
+            b[f"{L}.qr_q"] = rms_norm_fp8(self.wq_a.forward_quantized(xq, sx), self.q_norm, c.norm_eps)
             if ratio == 4:
                 sides.append(self._alongside("indexer", lambda: index_query(b), b[f"{L}.qr_q"]))
             b[f"{L}.q"] = rms_norm(self.wq_b.forward_quantized(*b[f"{L}.qr_q"]).view(rows, heads, hd), None, c.norm_eps, rope=(ix.cos, ix.sin))

@@ -15,7 +15,7 @@ import torch
 from dsuf.model.layers import HyperConnection
 
 from .dense import DENSE_MIN_ROWS
-from .norm import hc_collapse_rms_norm, hc_pre_collapse_rms_norm
+from .norm import Fp8Rows, fp8_rows, hc_collapse_rms_norm, hc_pre_collapse_rms_norm
 from .runtime import get_kernel, ptr
 
 HC_N = 4  # streams (hc_mult); the kernels are written for 4
@@ -25,10 +25,12 @@ MIX_TOKEN_GROUPS = 8  # hc_mixes: CTAs a row of fn (each takes every 8th token)
 
 @dataclass
 class BlockInput:
-    """A site's block input y bf16 [T, D] and its expand coefficients post [T, n], comb [T, n, n].
-    With `ready`, post and comb are still being computed on another stream: wait on it first."""
+    """A site's block input y bf16 [T, D], y FP8-quantised for the block's FP8 linears (norm.fp8_rows)
+    and its expand coefficients post [T, n], comb [T, n, n]. With `ready`, post and comb are still
+    being computed on another stream: wait on it first."""
 
     y: torch.Tensor
+    yq: Fp8Rows
     post: torch.Tensor
     comb: torch.Tensor
     ready: torch.cuda.Event | None = None
@@ -90,19 +92,20 @@ class HcSite:
 
     def block_input(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> BlockInput:
         """The block's input rms_norm(hc_collapse(x, pre), weight, eps) bf16 [T, D] from the
-        streams x bf16 [T, n, D], and the site's post and comb for its expand.
+        streams x bf16 [T, n, D], also FP8-quantised, and the site's post and comb for its expand.
 
         Below a prompt chunk's size the mixes kernel is followed by one that forms pre and the
         block input from them, while the Sinkhorn for post and comb, which only the expand needs,
         runs on the site's side stream: BlockInput.ready says when."""
         self._check(x)
         t = x.shape[0]
+        yq = fp8_rows(t, x.shape[2], x.device)
         if t >= DENSE_MIN_ROWS or not t:
             pre, post, comb = self.coefficients(x)
-            return BlockInput(hc_collapse_rms_norm(x, pre, weight, eps), post, comb)
+            return BlockInput(hc_collapse_rms_norm(x, pre, weight, eps, fp8_out=yq), yq, post, comb)
         x = x.contiguous()
         mix = self._mixes(x)
-        y = hc_pre_collapse_rms_norm(x, mix, self.scale, self.base, self.hc_eps, weight, eps)
+        y = hc_pre_collapse_rms_norm(x, mix, self.scale, self.base, self.hc_eps, weight, eps, fp8_out=yq)
         out = self._outputs(t, x.device)  # made on this stream, which uses post and comb later
         main = torch.cuda.current_stream(x.device)
         if self.side is None:
@@ -114,7 +117,7 @@ class HcSite:
             ready.record()
         for tensor in (mix, *out):
             tensor.record_stream(self.side)
-        return BlockInput(y, out[1], out[2], ready)
+        return BlockInput(y, yq, out[1], out[2], ready)
 
 
 def hc_expand(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ expert, and each expert's weights are streamed once for all of its tokens (up to
 batch-1 decode step reads 6 routed experts (FP4, 12.75 MB each at V4-Flash shapes) and the shared
 expert (FP8, 25 MB). The launches:
 
-1. act_quant(x) -> e4m3 x and per-128 scales (shared by every expert);
+1. act_quant(x) -> e4m3 x and per-128 scales (shared by every expert; the layer's mHC norm
+   already makes them in its own launch);
 2. routed w1/w3 for all pairs, with clamp, silu(gate)*up, routing weight, bf16 rounding and w2's
    act_quant fused into the split-K epilogue; then routed w2 (bf16 [P, D]);
 3. meanwhile, on a side stream, the same two steps for the shared expert (FP8, all tokens);
@@ -128,14 +129,16 @@ class Moe:
         if self.counter.numel() < pairs * (rows // CTA_ROWS):
             self.counter = torch.zeros(pairs * (rows // CTA_ROWS), dtype=torch.int32, device=self.counter.device)
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x bf16 [T, D]; weights float32 [T, k] and idx [T, k] from the router -> bf16 [T, D]."""
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None,
+                 xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x bf16 [T, D]; weights float32 [T, k] and idx [T, k] from the router -> bf16 [T, D].
+        xq: x already FP8-quantised (act_quant's (e4m3, scales)), e.g. by the norm that made x."""
         t, k = idx.shape
         if not 1 <= k <= 16 or self.routed.dim % 2048:
             raise ValueError(f"Moe: top-k must be 1..16 and D a multiple of 2048, got k={k}, D={self.routed.dim}")
         if t >= GROUPED_MIN_TOKENS and not torch.cuda.is_current_stream_capturing():  # (it syncs with the host once)
             return self._combine(*self._grouped(x, weights, idx), idx, out)
-        xq, sx = act_quant(x)
+        xq, sx = xq if xq is not None else act_quant(x)
         main = torch.cuda.current_stream(x.device)
         if self.side is None:
             self.side = torch.cuda.Stream(x.device)

@@ -1,6 +1,7 @@
 """RMSNorm kernels (kernels_cu/rmsnorm.cu), numerically the reference's `layers.rms_norm` and
 `layers.hc_collapse` followed by it (with the collapse's pre given, or formed from an mHC site's
-mixes)."""
+mixes). Each can also hand its output FP8-quantised to the FP8 linear that follows, exactly as
+`linear.act_quant` of its bf16 output, in the same launch (`rms_norm_fp8`, `fp8_out=`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import ctypes
 
 import torch
 
+from .linear import BLOCK
 from .runtime import get_kernel, ptr
 
 MAX_DIM = 8192
@@ -26,6 +28,42 @@ def _weight(weight: torch.Tensor | None, d: int) -> torch.Tensor | None:
     return weight.float().contiguous()
 
 
+Fp8Rows = tuple[torch.Tensor, torch.Tensor]
+"""Rows FP8-quantised as linear.act_quant leaves them: (e4m3 [T, D], float32 scales [T, D/128])."""
+
+
+def fp8_rows(t: int, d: int, device: torch.device) -> Fp8Rows:
+    """Empty buffers for T rows of D FP8-quantised."""
+    if d % BLOCK:
+        raise ValueError(f"FP8 rows need D % {BLOCK} == 0, got {d}")
+    return (torch.empty((t, d), dtype=torch.float8_e4m3fn, device=device), torch.empty((t, d // BLOCK), dtype=torch.float32, device=device))
+
+
+def _fp8_ptrs(fp8_out: Fp8Rows | None, t: int, d: int) -> list[ctypes.c_void_p]:
+    if fp8_out is None:
+        return [ptr(None), ptr(None)]
+    xq, sx = fp8_out
+    if xq.dtype != torch.float8_e4m3fn or tuple(xq.shape) != (t, d) or sx.dtype != torch.float32 or tuple(sx.shape) != (t, d // BLOCK):
+        raise ValueError(f"fp8_out: need e4m3 [{t}, {d}] and float32 [{t}, {d // BLOCK}], got {xq.dtype} {tuple(xq.shape)}, {sx.dtype} {tuple(sx.shape)}")
+    if not (xq.is_contiguous() and sx.is_contiguous()):
+        raise ValueError("fp8_out: the buffers must be contiguous")
+    return [ptr(xq), ptr(sx)]
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> Fp8Rows:
+    """act_quant(rms_norm(x, weight, eps)) of bf16 x [T, D] in one launch (the bf16 rows are not kept)."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise ValueError(f"rms_norm_fp8: expected bfloat16 [T, D], got {x.dtype} {tuple(x.shape)}")
+    t, d = x.shape
+    _check_dim(d)
+    out = fp8_rows(t, d, x.device)
+    if t:
+        get_kernel("rmsnorm", "rmsnorm_bf16", x.device)(
+            (t, 1, 1), 256, [ptr(x.contiguous()), ptr(_weight(weight, d)), ptr(None), *_fp8_ptrs(out, t, d), ctypes.c_int(d), ctypes.c_float(eps)]
+        )
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """bf16 [..., D] normalised over the last dim, times weight (float32 [D]) if given. With
     rope = (cos, sin) float32 [P, 32] (x [P, ...]: P positions), the last 64 dims of every row are
@@ -39,21 +77,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: tup
     rows = x.numel() // d
     if not rows:
         return out
-    args = [ptr(x), ptr(_weight(weight, d)), ptr(out), ctypes.c_int(d), ctypes.c_float(eps)]
+    io = [ptr(x), ptr(_weight(weight, d)), ptr(out)]
+    dims = [ctypes.c_int(d), ctypes.c_float(eps)]
     if rope is None:
-        get_kernel("rmsnorm", "rmsnorm_bf16", x.device)((rows, 1, 1), 256, args)
+        get_kernel("rmsnorm", "rmsnorm_bf16", x.device)((rows, 1, 1), 256, io + _fp8_ptrs(None, rows, d) + dims)
         return out
     cos, sin = (t.float().contiguous() for t in rope)
     positions = x.shape[0]
     if d < 64 or tuple(cos.shape) != (positions, 32) or tuple(sin.shape) != (positions, 32):
         raise ValueError(f"rms_norm: rope needs cos / sin [{positions}, 32] and D >= 64, got {tuple(cos.shape)}, D={d}")
-    get_kernel("rmsnorm", "rmsnorm_rope_bf16", x.device)((rows, 1, 1), 256, args + [ptr(cos), ptr(sin), ctypes.c_int(rows // positions)])
+    get_kernel("rmsnorm", "rmsnorm_rope_bf16", x.device)((rows, 1, 1), 256, io + dims + [ptr(cos), ptr(sin), ctypes.c_int(rows // positions)])
     return out
 
 
-def hc_collapse_rms_norm(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def hc_collapse_rms_norm(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float, fp8_out: Fp8Rows | None = None) -> torch.Tensor:
     """rms_norm(hc_collapse(x, pre)): the mHC streams x bf16 [T, n, D] mixed with pre float32
-    [T, n] into bf16 [T, D], then normalised."""
+    [T, n] into bf16 [T, D], then normalised; also into fp8_out (fp8_rows) if given."""
     if x.dtype != torch.bfloat16 or x.dim() != 3 or tuple(pre.shape) != tuple(x.shape[:2]):
         raise ValueError(f"hc_collapse_rms_norm: need bf16 [T, n, D] and pre [T, n], got {x.dtype} {tuple(x.shape)}, {tuple(pre.shape)}")
     t, n, d = x.shape
@@ -65,13 +104,13 @@ def hc_collapse_rms_norm(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tenso
         get_kernel("rmsnorm", "hc_collapse_rmsnorm_bf16", x.device)(
             (t, 1, 1),
             256,
-            [ptr(x), ptr(pre), ctypes.c_int(n), ptr(_weight(weight, d)), ptr(out), ctypes.c_int(d), ctypes.c_float(eps)],
+            [ptr(x), ptr(pre), ctypes.c_int(n), ptr(_weight(weight, d)), ptr(out), *_fp8_ptrs(fp8_out, t, d), ctypes.c_int(d), ctypes.c_float(eps)],
         )
     return out
 
 
 def hc_pre_collapse_rms_norm(x: torch.Tensor, mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
-                             weight: torch.Tensor, eps: float) -> torch.Tensor:
+                             weight: torch.Tensor, eps: float, fp8_out: Fp8Rows | None = None) -> torch.Tensor:
     """hc_collapse_rms_norm with pre formed from an mHC site's mixes float32 [T, 24] (scale
     float32 [3], base float32 [24]: the site's), as HyperConnection.coefficients forms it."""
     t, n, d = x.shape
@@ -83,6 +122,7 @@ def hc_pre_collapse_rms_norm(x: torch.Tensor, mix: torch.Tensor, scale: torch.Te
         get_kernel("rmsnorm", "hc_pre_collapse_rmsnorm_bf16", x.device)(
             (t, 1, 1),
             256,
-            [ptr(x), ptr(mix), ptr(scale), ptr(base), ctypes.c_float(hc_eps), ptr(_weight(weight, d)), ptr(out), ctypes.c_int(d), ctypes.c_float(eps)],
+            [ptr(x), ptr(mix), ptr(scale), ptr(base), ctypes.c_float(hc_eps), ptr(_weight(weight, d)), ptr(out), *_fp8_ptrs(fp8_out, t, d),
+             ctypes.c_int(d), ctypes.c_float(eps)],
         )
     return out

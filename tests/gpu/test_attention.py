@@ -140,3 +140,21 @@ def test_rope(cuda, heads, dim, inverse):
     got = rope_(x.clone(), cos, sin, inverse=inverse)
     compare(f"rope {'inverse ' if inverse else ''}[{rows}, {heads}, {dim}]", got, ref)
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("rows, heads", [(1, 64), (8, 32)])
+def test_attention_with_the_inverse_rope_is_attention_then_the_rotation(cuda, rows, heads):
+    """The output's rope dims rotated back in the splits' combine: bit for bit the attention, then
+    rope_(inverse=True) (each row at its own position)."""
+    n = 128 + 512
+    pool = new_pool(rows * n, cuda)
+    pack_kv(random_kv(rows * n, cuda), pool)
+    idx = torch.randint(0, rows * n, (rows, n), device=cuda, dtype=torch.int32)
+    q = (torch.randn(rows, heads, DIM, device=cuda) * torch.exp(torch.randn(1, heads, 1, device=cuda))).to(torch.bfloat16)
+    sink = torch.randn(heads, device=cuda) * 2
+    rope = Rope(64, 160000.0, (16.0, 65536, 32.0, 1.0))
+    rope.freqs = rope.freqs.to(cuda)
+    cos, sin = rope.cos_sin(torch.randint(0, 1 << 20, (rows,), device=cuda))
+    fused = sparse_attention(q, pool, idx, sink, SCALE, inverse_rope=(cos, sin))
+    apart = rope_(sparse_attention(q, pool, idx, sink, SCALE), cos, sin, inverse=True)
+    assert torch.equal(fused, apart)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from gpu_checks import compare, random_activations, random_fp4_weight, random_fp8_weight
+from gpu_checks import random_activations, random_fp4_weight, random_fp8_weight
 
-from dsuf.gpu.dense import DENSE_MIN_ROWS, act_fake_quant, fp4_weight_bf16, fp8_weight_bf16, swiglu
+from dsuf.gpu.dense import act_fake_quant, fp4_weight_bf16, fp8_weight_bf16, swiglu
 from dsuf.gpu.linear import scale_bytes
 from dsuf.gpu.moe import permute_fp4
 from dsuf.model import quant

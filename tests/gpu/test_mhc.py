@@ -8,6 +8,7 @@ import pytest
 import torch
 from gpu_checks import compare
 
+from dsuf.gpu.linear import act_quant
 from dsuf.gpu.mhc import HcSite, hc_expand
 from dsuf.model.layers import HyperConnection, hc_collapse, rms_norm
 from dsuf.model.layers import hc_expand as ref_hc_expand
@@ -58,6 +59,8 @@ def test_block_input_is_the_norm_of_the_collapse(cuda, tokens):
         torch.cuda.current_stream().wait_event(got.ready)
     _, worst = compare(f"block input [{tokens}, {N}, {D}]", got.y, ref)
     assert worst <= 1.0 and (got.y == ref).float().mean() > 0.999
+    xq, sx = act_quant(got.y)  # what the block's FP8 linears take: made in the same launch
+    assert torch.equal(got.yq[0].view(torch.uint8), xq.view(torch.uint8)) and torch.equal(got.yq[1], sx)
     assert_coefficients_close((got.post, got.comb), (post, comb), f"with the block input x {tokens}", names=("post", "comb"))
 
 

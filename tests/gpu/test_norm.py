@@ -7,7 +7,8 @@ import pytest
 import torch
 from gpu_checks import compare
 
-from dsuf.gpu.norm import hc_collapse_rms_norm, rms_norm
+from dsuf.gpu.linear import act_quant
+from dsuf.gpu.norm import fp8_rows, hc_collapse_rms_norm, rms_norm, rms_norm_fp8
 from dsuf.model.layers import hc_collapse
 from dsuf.model.layers import rms_norm as ref_rms_norm
 
@@ -39,16 +40,37 @@ def test_rms_norm(cuda, what, rows, d, weighted):
     assert (out == ref).float().mean() > 0.999
 
 
+def assert_same_fp8(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], what: str) -> None:
+    """Bit for bit the same e4m3 values and scales."""
+    (gq, gs), (wq, ws) = got, want
+    diff = (gq.view(torch.uint8) != wq.view(torch.uint8)).sum().item()
+    print(f"{what}: {diff} of {wq.numel()} e4m3 bytes differ, scales equal: {torch.equal(gs, ws)}")
+    assert diff == 0 and torch.equal(gs, ws)
+
+
+# q_norm (1024: whole warps a 256-column pass), attn_norm (4096), and 384 (a 128-block ends
+# halfway through a warp: the half-warps of one warp quantise different blocks).
+@pytest.mark.parametrize("rows, d", [(1, 1024), (8, 1024), (3, 4096), (5, 384)])
+def test_rms_norm_fp8_is_act_quant_of_the_norm(cuda, rows, d):
+    """The norm's output FP8-quantised in the same launch, as act_quant quantises the bf16 norm
+    (the q path hands it straight to wq_b)."""
+    x = (torch.randn(rows, d, device=cuda) * torch.exp(torch.randn(rows, 1, device=cuda))).to(torch.bfloat16)
+    w = norm_weight(d, cuda)
+    assert_same_fp8(rms_norm_fp8(x, w, EPS), act_quant(rms_norm(x, w, EPS)), f"rms_norm_fp8 [{rows}, {d}]")
+
+
 @pytest.mark.parametrize("tokens", [1, 8, 32])
 def test_hc_collapse_rms_norm(cuda, tokens):
     x = torch.randn(tokens, 4, 4096, device=cuda).to(torch.bfloat16)
     pre = torch.sigmoid(torch.randn(tokens, 4, device=cuda)) + 1e-6  # mHC pre coefficients
     w = norm_weight(4096, cuda)
-    out = hc_collapse_rms_norm(x, pre, w, EPS)
+    quantized = fp8_rows(tokens, 4096, cuda)
+    out = hc_collapse_rms_norm(x, pre, w, EPS, fp8_out=quantized)
     ref = ref_rms_norm(hc_collapse(x, pre), w, EPS)
     rel, worst = compare(f"hc_collapse + rms_norm [{tokens}, 4, 4096]", out, ref)
     assert worst <= 1.0 and rel < 1e-4
     assert (out == ref).float().mean() > 0.999
+    assert_same_fp8(quantized, act_quant(out), f"hc_collapse + rms_norm fp8_out [{tokens}]")
 
 
 @pytest.mark.parametrize("shape, weighted", [((8, 32, 512), False), ((8, 64, 512), False), ((1, 512), True), ((8, 512), True)])
