@@ -53,6 +53,7 @@ from .layer import (
     step_index,
 )
 from .linear import BLOCK
+from .timeline import analyse, graph_spans, report
 from .tp import TensorParallel, check_tp
 from .weights import V4_FLASH_CONFIG, layer_tensors
 
@@ -323,6 +324,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage timing")
     p.add_argument("--profile", action="store_true", help="also print the CUDA kernels of one eager step of the first configuration "
                    "(with --model --prefill: of one prefill chunk) (torch.profiler)")
+    p.add_argument("--trace", nargs="?", const="", metavar="JSON", help="with --model: also print where one replay of the first batch's step "
+                   "goes (kernels alone on the GPU, overlap, idle gaps; dsuf.gpu.timeline), and write rank 0's trace to JSON if given")
     p.add_argument("--config", help="a config.json to take the shapes from (default: V4-Flash's, built in)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill", type=int, nargs="*", default=[], metavar="TOKENS",
@@ -362,7 +365,11 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
         for batch in args.batch:
             rows = [(slot, ctx - 1, int(t)) for slot, t in zip(range(1, batch + 1), torch.randint(0, c.vocab_size, (batch,)))]
             model.step(rows)  # captures the bucket's graph
-            step_us = replay_us(model._graphs[next(b for b in model.buckets if b >= batch)][0], args.reps)
+            graph = model._graphs[next(b for b in model.buckets if b >= batch)][0]
+            step_us = replay_us(graph, args.reps)
+            if args.trace is not None and not rows_out:  # every rank replays (the collectives need their peers); rank 0 reports
+                spans = graph_spans(graph, Path(args.trace) if args.trace and rank == 0 else None)
+                say(f"\nwhere one replay of the step goes (batch {batch}, context {ctx}, rank 0):\n{report(analyse(spans))}\n", flush=True)
             nbytes = head_bytes(small, batch, world) + sum(
                 step_bytes(small, i, batch, n_comp[r], min(c.n_routed_experts, batch * c.n_activated_experts), world) for i, r in enumerate(small.compress_ratios))
             floor = nbytes / bw * 1e6
