@@ -102,13 +102,16 @@ def analyse(spans: list[Span]) -> Timeline:
 
 
 def graph_spans(graph: torch.cuda.CUDAGraph, save: Path | None = None) -> list[Span]:
-    """The kernels of one replay of `graph` (after one untraced replay), from torch.profiler's trace
-    (also written to `save`, for Perfetto or chrome://tracing)."""
+    """The kernels of one replay of `graph`, from torch.profiler's trace of two (also written to
+    `save`, for Perfetto or chrome://tracing). Replays on one stream run one after the other, so
+    the second's kernels are the later half; the first absorbs what tracing costs at its start (a
+    tensor-parallel rank's first collective waits for its peer's profiler to start)."""
     from torch.profiler import ProfilerActivity, profile
 
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
         graph.replay()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,7 +121,9 @@ def graph_spans(graph: torch.cuda.CUDAGraph, save: Path | None = None) -> list[S
     if save is not None:
         save.write_text(text)
     events = json.loads(text)["traceEvents"]
-    return [Span(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"]), int(e["args"]["stream"])) for e in events if e.get("cat") == "kernel"]
+    spans = sorted((Span(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"]), int(e["args"]["stream"]))
+                    for e in events if e.get("cat") == "kernel"), key=lambda s: s.start)
+    return spans[len(spans) // 2 :]
 
 
 def report(t: Timeline, rows: int = 25) -> str:
