@@ -86,6 +86,30 @@ DSUF_DEVICE uint4 ld_stream(const void* p) {
   return v;
 }
 
+// 16-byte load of data no kernel writes during this one (activations of the kernel before).
+DSUF_DEVICE uint4 ld_nc16(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+DSUF_DEVICE u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+DSUF_DEVICE u32 mul_bf16x2(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// e4m3 bytes 1 and 3 of q as bf16x2 (byte 1 low), exactly: sign and the 7 magnitude bits slide
+// into bf16's fields, which reads them with bias 127 instead of 7 (e4m3 subnormals land on bf16
+// subnormals); the multiply by 2**120 restores the value.
+DSUF_DEVICE u32 e4m3_odd_to_bf16x2(u32 q) {
+  return mul_bf16x2((q & 0x80008000u) | ((q & 0x7f007f00u) >> 4), 0x7b807b80u);
+}
+
+DSUF_DEVICE u32 e4m3_even_to_bf16x2(u32 q) { return e4m3_odd_to_bf16x2(q << 8); }
+
 // D = A(16x32 e4m3, row) * B(32x8 e4m3, col) + 0, fp32 result (see fragment layout in gemm.cuh).
 DSUF_DEVICE void mma_e4m3(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm(

@@ -41,14 +41,6 @@ struct GemmParams {
 enum { FMT_FP8 = 0, FMT_FP4 = 1 };
 enum { EPI_STORE_BF16 = 0, EPI_SWIGLU = 1 };
 
-DSUF_DEVICE uint4 ld_nc16(const void* p) {
-  uint4 v;
-  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
-
 DSUF_DEVICE uint2 ld_nc8(const void* p) {
   uint2 v;
   asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
@@ -60,8 +52,6 @@ DSUF_DEVICE u32 ld_nc4(const void* p) {
   asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
-
-DSUF_DEVICE u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 // e2m1 codes to e4m3 bytes holding value * 2**-6 (exact: the 3 magnitude bits slide into the
 // e4m3 exponent/mantissa fields, subnormals included). Low nibbles (even elements) and high

@@ -38,29 +38,6 @@ enum { FMT_BF16 = 0, FMT_FP8 = 1 };
 #define TILE 64
 #define THREADS 256
 
-DSUF_DEVICE uint4 ld_nc16(const void* p) {
-  uint4 v;
-  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-DSUF_DEVICE u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
-
-DSUF_DEVICE u32 mul_bf16x2(u32 a, u32 b) {
-  u32 d;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-// e4m3 bytes 1 and 3 of q as bf16x2 (byte 1 low), exactly: sign and the 7 magnitude bits slide
-// into bf16's fields, which reads them with bias 127 instead of 7 (e4m3 subnormals land on bf16
-// subnormals); the multiply by 2**120 restores the value.
-DSUF_DEVICE u32 e4m3_odd_to_bf16x2(u32 q) {
-  return mul_bf16x2((q & 0x80008000u) | ((q & 0x7f007f00u) >> 4), 0x7b807b80u);
-}
-
-DSUF_DEVICE u32 e4m3_even_to_bf16x2(u32 q) { return e4m3_odd_to_bf16x2(q << 8); }
-
 // Bytes of one token's row of the x slice in shared memory: padded so that the 8 lanes of a
 // 16-byte access phase (two tokens, four t) hit distinct banks.
 template <int FMT>
