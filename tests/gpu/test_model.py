@@ -206,16 +206,31 @@ def test_a_long_prompt_prefilled_in_large_chunks_computes_what_the_steps_compute
         gpu.free(seq)
     finally:
         gpu.prefill_rows = held
-    seq = gpu.new_state()
-    for lo in range(0, len(prompt), PREFILL_MIN - 1):  # pieces too short for the prefill path
-        stepped = [gpu.forward_batch([(prompt[lo : lo + PREFILL_MIN - 1], seq)])[0]]
-    stepped_state = state_tensors(gpu.export_state(seq))
-    stepped += [gpu.forward_batch([(t.view(1), seq)])[0] for t in after]
-    gpu.free(seq)
+    def steps() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        seq = gpu.new_state()
+        for lo in range(0, len(prompt), PREFILL_MIN - 1):  # pieces too short for the prefill path
+            logits = [gpu.forward_batch([(prompt[lo : lo + PREFILL_MIN - 1], seq)])[0]]
+        state = state_tensors(gpu.export_state(seq))
+        logits += [gpu.forward_batch([(t.view(1), seq)])[0] for t in after]
+        gpu.free(seq)
+        return logits, state
+
+    stepped, stepped_state = steps()
+    # This seed's chaos: how far the same steps land when 1% of the embedding values move one ulp.
+    embed = gpu.embed.clone()
+    gpu.embed.view(-1)[::100] = (gpu.embed.view(-1)[::100].float() * (1 + 2**-7)).to(gpu.embed.dtype)
+    try:
+        nudged, nudged_state = steps()
+    finally:
+        gpu.embed.copy_(embed)
+    noise = max(rel(a, b) for a, b in zip(nudged, stepped))
+    state_noise = max(rel(a.float(), b.float()) for a, b in zip(nudged_state, stepped_state) if b.numel())
     logits = [rel(a, b) for a, b in zip(prefilled, stepped)]
     errors = [rel(a.float(), b.float()) for a, b in zip(prefilled_state, stepped_state) if b.numel()]
     print(f"  prefilled vs stepped: logits rel err {', '.join(f'{e:.1e}' for e in logits)}, cached tensors up to {max(errors):.1e}")
-    assert max(logits) < CHAOS and max(errors) < CHAOS  # a misplaced entry or state row gives ~1
+    print(f"  nudged vs stepped (this seed's chaos): logits up to {noise:.1e}, cached tensors up to {state_noise:.1e}")
+    # Within twice the chaos (at least 0.1); a misplaced entry or state row gives ~1.
+    assert max(logits) <= max(2 * noise, 0.1) and max(errors) <= max(2 * state_noise, 0.1)
 
 
 def test_cuda_graph_replays_equal_eager_steps(models) -> None:
