@@ -44,6 +44,7 @@ from dsuf.model.layers import Numerics
 from .attention import KV_ENTRY_BYTES, pack_kv, unpack_kv
 from .indexer import INDEX_ENTRY_BYTES, pack_index_keys, unpack_index_keys
 from .layer import (
+    PREFILL_CHUNK,
     DecodeLayer,
     LayerCache,
     Stage,
@@ -330,6 +331,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill", type=int, nargs="*", default=[], metavar="TOKENS",
                    help="with --model: also time one prompt of each size (at the smallest context that holds it)")
+    p.add_argument("--tokens-per-seq", type=int, default=1, metavar="N",
+                   help="with --model: every sequence feeds N consecutive tokens a step (the verify step of speculative decoding "
+                        "with N - 1 draft tokens; tokens/s then counts all of them as accepted)")
     p.add_argument("--tp", type=int, default=1, help="with --model: tensor-parallel over this many GPUs (one process each)")
     p.add_argument("--collective", choices=("ipc", "nccl"), default="ipc", help="with --tp: the all-reduce and all-gather (default ipc)")
 
@@ -362,20 +366,23 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
         for cache in model.caches:
             fill_random(small, cache)
         n_comp = {cache.ratio: cache.n_max for cache in model.caches}
+        k = args.tokens_per_seq
         for batch in args.batch:
-            rows = [(slot, ctx - 1, int(t)) for slot, t in zip(range(1, batch + 1), torch.randint(0, c.vocab_size, (batch,)))]
+            tokens = torch.randint(0, c.vocab_size, (batch, k))
+            rows = [(slot, ctx - k + j, int(tokens[slot - 1, j])) for slot in range(1, batch + 1) for j in range(k)]
             model.step(rows)  # captures the bucket's graph
-            graph = model._graphs[next(b for b in model.buckets if b >= batch)][0]
+            graph = model._graphs[next(b for b in model.buckets if b >= len(rows))][0]
             step_us = replay_us(graph, args.reps)
             if args.trace is not None and not rows_out:  # every rank replays (the collectives need their peers); rank 0 reports
                 spans = graph_spans(graph, Path(args.trace) if args.trace and rank == 0 else None)
                 say(f"\nwhere one replay of the step goes (batch {batch}, context {ctx}, rank 0):\n{report(analyse(spans))}\n", flush=True)
-            nbytes = head_bytes(small, batch, world) + sum(
-                step_bytes(small, i, batch, n_comp[r], min(c.n_routed_experts, batch * c.n_activated_experts), world) for i, r in enumerate(small.compress_ratios))
+            fed = batch * k
+            nbytes = head_bytes(small, fed, world) + sum(
+                step_bytes(small, i, fed, n_comp[r], min(c.n_routed_experts, fed * c.n_activated_experts), world) for i, r in enumerate(small.compress_ratios))
             floor = nbytes / bw * 1e6
-            coll = collective_us(small, tp, batch, args.reps) if tp else 0.0
+            coll = collective_us(small, tp, fed, args.reps) if tp else 0.0
             rows_out.append((batch, ctx, step_us, nbytes, floor, coll))
-            say(f"  batch {batch}, context {ctx}: {step_us:.1f} µs a step = {batch * 1e6 / step_us:.0f} tokens/s "
+            say(f"  batch {batch}, context {ctx}: {step_us:.1f} µs a step = {fed * 1e6 / step_us:.0f} tokens/s "
                 f"({nbytes / 1e6:.0f} MB a GPU, floor {floor:.1f} µs, {step_us / floor:.1f}x; collectives {coll:.0f} µs)", flush=True)
         for n_tokens in prompts_for(args.prefill, args.context, ctx):
             seconds = prefill_seconds(model, n_tokens, c.vocab_size)
@@ -387,12 +394,15 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
         torch.cuda.empty_cache()
     say(f"\n### dsuf bench --model{f' --tp {world}' if tp else ''}: embedding + {n} V4-Flash layers + head, one CUDA graph per step "
         f"(median of {args.reps} replays); routed experts counted as batch x 6 distinct; floor = bytes a GPU reads / {bw / 1e9:.0f} GB/s")
+    if args.tokens_per_seq > 1:
+        say(f"every sequence feeds {args.tokens_per_seq} consecutive tokens a step (speculative decoding's verify step): "
+            "tokens/s counts all of them as accepted")
     if tp:
         say(f"collectives µs = the step's {2 * n} all-reduces and one logits all-gather ({args.collective}), timed alone in a CUDA graph")
     say("\n| batch | context | step µs | tokens/s | MB read a GPU | floor µs | × floor | collectives µs |")
     say("|---|---|---|---|---|---|---|---|")
     for batch, ctx, us, nbytes, floor, coll in rows_out:
-        say(f"| {batch} | {ctx} | {us:.1f} | {batch * 1e6 / us:.0f} | {nbytes / 1e6:.0f} | {floor:.1f} | {us / floor:.1f} | {coll:.0f} |")
+        say(f"| {batch} | {ctx} | {us:.1f} | {batch * args.tokens_per_seq * 1e6 / us:.0f} | {nbytes / 1e6:.0f} | {floor:.1f} | {us / floor:.1f} | {coll:.0f} |")
     if prefills:
         say("\n| prompt tokens | context | prefill s | tokens/s |\n|---|---|---|---|")
         for n_tokens, ctx, seconds in prefills:
@@ -478,6 +488,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"dsuf bench: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}; layers {layers} "
           f"({', '.join(layer_kind(c.compress_ratios[i]) + (' hash' if c.is_hash_layer(i) else '') for i in layers)}), "
           f"batch {args.batch}, context {args.context}", flush=True)
+    if args.tokens_per_seq != 1 and not (args.model and 1 <= args.tokens_per_seq <= PREFILL_CHUNK):
+        raise SystemExit(f"dsuf bench: --tokens-per-seq takes 1 to {PREFILL_CHUNK}, with --model")
     if args.tp > 1:
         if not args.model:
             raise SystemExit("dsuf bench: --tp runs the whole model: add --model")
