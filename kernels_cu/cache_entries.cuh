@@ -37,13 +37,7 @@ DSUF_DEVICE void kv_entry_fp8(const u16* src, u8* entry, int lane) {
   }
   const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
   float v[16];
-  float amax = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    v[2 * i] = bf16_to_f32(w[i] & 0xffff);
-    v[2 * i + 1] = bf16_to_f32(w[i] >> 16);
-    amax = fmaxf(amax, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
-  }
+  float amax = unpack_bf16_amax(w, v);
   // The four lanes of a 64-dim block share its amax (every lane takes part in the shuffles).
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));

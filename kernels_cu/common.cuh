@@ -183,6 +183,19 @@ DSUF_DEVICE float silu_f64(float g) {
 
 DSUF_DEVICE u32 bf16x2(float lo, float hi) { return f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16); }
 
+// The 2N bf16 values packed in N words as floats (low half first), and their largest magnitude.
+template <int N>
+DSUF_DEVICE float unpack_bf16_amax(const u32 (&w)[N], float (&v)[2 * N]) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    v[2 * i] = bf16_to_f32(w[i] & 0xffff);
+    v[2 * i + 1] = bf16_to_f32(w[i] >> 16);
+    amax = fmaxf(amax, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
+  }
+  return amax;
+}
+
 // RoPE (layers.Rope.apply, GPT-J pairs) on the trailing 2 * ROPE_PAIRS dims of a head: the pair
 // (x0, x1) of bf16x2 v -> (x0 c - x1 s, x0 s + x1 c), each product and sum rounded to float32 (no
 // FMA), back to bf16; s negated is the inverse rotation.

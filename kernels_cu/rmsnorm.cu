@@ -17,19 +17,11 @@
 
 #define VPT 4  // 16-byte vectors per thread: D <= 256 * 8 * VPT
 
-// pre: the row's n collapse coefficients (COLLAPSE); cos_t / sin_t [positions, 32] or null (no
-// rotation); row r is at position r / per_pos.
 // The 8 bf16 values o of a thread at column d of `row`, FP8-quantised with the scale of their
 // 128-block (its 16 threads: the lanes of one half-warp).
-DSUF_DEVICE void quantize8(const u32 o[4], u8* __restrict__ xq, float* __restrict__ sx, i64 row, int d, int D) {
+DSUF_DEVICE void quantize8(const u32 (&o)[4], u8* __restrict__ xq, float* __restrict__ sx, i64 row, int d, int D) {
   float f[8];
-  float amax = 0.0f;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    f[2 * k] = bf16_to_f32(o[k] & 0xffff);
-    f[2 * k + 1] = bf16_to_f32(o[k] >> 16);
-    amax = fmaxf(amax, fmaxf(fabsf(f[2 * k]), fabsf(f[2 * k + 1])));
-  }
+  float amax = unpack_bf16_amax(o, f);
   const u32 half = 0xffffu << (threadIdx.x & 16);
 #pragma unroll
   for (int s = 8; s; s >>= 1) amax = fmaxf(amax, __shfl_xor_sync(half, amax, s));
@@ -38,6 +30,8 @@ DSUF_DEVICE void quantize8(const u32 o[4], u8* __restrict__ xq, float* __restric
   if ((threadIdx.x & 15) == 0) sx[row * (D >> 7) + (d >> 7)] = pow2f(e);
 }
 
+// pre: the row's n collapse coefficients (COLLAPSE); cos_t / sin_t [positions, 32] or null (no
+// rotation); row r is at position r / per_pos.
 template <bool COLLAPSE>
 DSUF_DEVICE void rmsnorm_row(const u16* __restrict__ x, const float* __restrict__ pre, int n,
                              const float* __restrict__ w, u16* __restrict__ out, u8* __restrict__ xq, float* __restrict__ sx, int D, float eps,
