@@ -80,7 +80,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
     model = load_model(args.ckpt)
     tokens = _tokens(args.tokens)
     _check_vocab(tokens, model.config.vocab_size)
-    print(",".join(str(t) for t in greedy(model, tokens, args.max_new, num)))
+    if not args.speculative:
+        print(",".join(str(t) for t in greedy(model, tokens, args.max_new, num)))
+        return
+    from dsuf.model.speculative import speculative_greedy
+
+    try:
+        result = speculative_greedy(model, tokens, args.max_new, num)
+    except ValueError as exc:
+        raise SystemExit(f"dsuf generate: {exc}") from None
+    print(",".join(str(t) for t in result.tokens))
+    print(f"MTP drafts accepted: {result.accepted} of {result.drafted} ({100 * result.acceptance:.0f} %)", file=sys.stderr)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -137,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="greedy generation; prints the new token ids")
     model_args(p)
     p.add_argument("--max-new", type=int, default=32)
+    p.add_argument("--speculative", action="store_true",
+                   help="draft each token after next with the MTP layer and verify it with the next (the same tokens; "
+                        "prints the acceptance to stderr)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("build-kernels", help="compile every CUDA kernel with NVRTC into the kernel cache (no GPU needed)")
