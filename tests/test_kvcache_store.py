@@ -9,7 +9,6 @@ never evicts one under lease, and finds the longest stored prefix of a new promp
 from __future__ import annotations
 
 import struct
-import time
 from array import array
 
 import numpy as np
@@ -89,14 +88,16 @@ def test_keys_at_matches_chain_key_for_every_length():
         PrefixHasher(MODEL).keys_at(t[:10], [11])
 
 
-def test_a_million_tokens_hash_in_well_under_a_second():
-    t = rand_tokens(1_000_000, high=129_000)  # a plain Python list: the slowest input form
-    start = time.perf_counter()
+def test_a_million_token_prefix_has_one_key_however_it_is_hashed():
+    """A 1M-token context (a plain Python list: the slowest input form) hashed whole, at prefix
+    points and incrementally gives the same keys (speed: see BENCHMARKS.md, not a timed test)."""
+    t = rand_tokens(1_000_000, high=129_000)
     k = chain_key(MODEL, t)
     keys = prefix_keys(MODEL, t, [1000, 500_000, 999_999, 1_000_000])
-    elapsed = time.perf_counter() - start
-    assert keys[1_000_000] == k
-    assert elapsed < 1.0, f"hashing 2 x 1M tokens took {elapsed:.3f} s"
+    assert keys[1_000_000] == k and keys[500_000] == chain_key(MODEL, t[:500_000])
+    h = PrefixHasher(MODEL)
+    h.update(t[:999_999])
+    assert h.key() == keys[999_999]
 
 
 # ---- snapshot blobs -----------------------------------------------------------------------------
