@@ -92,6 +92,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt("cluster-secret-file", None, "file holding the fleet's shared secret")
     opt("kv-lease-ms", 10000, "this server's lease in Redis, ms (peers treat it as gone this long after a freeze)", int)
     opt("kv-fetch-timeout", 2.0, "seconds a cache transfer may stall before the turn is recomputed instead", float)
+    p.add_argument("--speculative", action="store_true", default=env("DSUF_SPECULATIVE") == "1",
+                   help="decode with the MTP layer's drafts, each verified with the next token: the same tokens, fewer "
+                        "steps where drafts are accepted (the CPU reference path so far; env DSUF_SPECULATIVE=1)")
     p.add_argument("--test-hooks", action="store_true", default=env("DSUF_TEST_HOOKS") == "1",
                    help="accept dsuf_forced_tokens in requests, for tests (env DSUF_TEST_HOOKS=1)")
 
@@ -108,6 +111,8 @@ async def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"dsuf: unknown --device {args.device!r}; use cpu, or --gpus for the GPU path")
     if args.random_weights and not gpus:
         raise SystemExit("dsuf: --random-weights runs on the GPU path: add --gpus")
+    if args.speculative and gpus:
+        raise SystemExit("dsuf: --speculative runs on the CPU reference path so far, not with --gpus")
     if args.random_weights and args.ckpt:
         raise SystemExit("dsuf: give --ckpt or --random-weights, not both")
     if args.random_weights:
@@ -122,6 +127,8 @@ async def serve(args: argparse.Namespace) -> int:
             if config.family != "v4":  # V4.1 adds special tokens the public V4 tokenizer lacks
                 raise SystemExit(f"dsuf: {ckpt} has no tokenizer.json; a {config.family} checkpoint needs its own (or --tokenizer)")
             tokenizer = default_tokenizer()
+    if args.speculative and not (config.family == "v4" and config.dspark is None and config.n_mtp_layers):
+        raise SystemExit(f"dsuf: --speculative drafts with V4's MTP layer, which {config.name} does not have")
     if gpus:  # every sequence's caches are preallocated on the GPU: a bounded context by default
         from dsuf.gpu.model import check_kernel_shapes
         from dsuf.gpu.tp import check_tp
@@ -146,7 +153,7 @@ async def serve(args: argparse.Namespace) -> int:
     engine = Engine(EngineConfig(
         where, args.numerics, args.max_batch, args.max_waiting, args.prefill_chunk or (GPU_PREFILL_CHUNK if gpus else CPU_PREFILL_CHUNK),
         arena=arena.name if arena else None, revision=cache.revision if cache else "",
-        gpus=tuple(gpus), random_weights=args.random_weights, max_context=-(-max_len // 128) * 128,
+        gpus=tuple(gpus), random_weights=args.random_weights, max_context=-(-max_len // 128) * 128, speculative=args.speculative,
     ))
     engine.cache = cache
     state = ServerState(api_key=args.api_key, cache=cache)

@@ -200,3 +200,41 @@ def test_an_answer_cut_by_length_feeds_its_last_token_and_eos():
         s.on_done(answer(s.plan(), {req.id: 30}))
     (work,) = s.plan().work
     assert work.tokens == [30, EOS] and work.snapshot is not None
+
+
+def two(step, seq: int, first: int, second: int) -> StepDone:
+    """The worker's reply when a draft was accepted: two tokens, the first already fed."""
+    outs = [SeqOutput(w.seq, TokenChoice(first, -0.5), more=[TokenChoice(second, -0.6)]) if w.seq == seq else
+            SeqOutput(w.seq, TokenChoice(7, -0.5) if w.sample else None) for w in step.work]
+    return StepDone(step.step, outs, 0.0)
+
+
+def test_a_step_of_two_tokens_delivers_both_and_feeds_only_the_second():
+    """Speculative decoding: of a step's tokens the worker has fed all but the last."""
+    s = Scheduler(max_batch=4, max_waiting=4, prefill_budget=100, eos_token_id=EOS)
+    req = request(max_tokens=10)
+    s.add(req)
+    s.on_done(two(s.plan(), req.id, 21, 22))  # the prompt, then two tokens
+    assert [e.choice.token for e in events(req)] == [21, 22] and req.generated == 2
+    (work,) = s.plan().work
+    assert work.tokens == [22] and work.sample
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_an_answer_ending_on_a_fed_token_does_not_feed_it_again_for_the_closing_snapshot(finish):
+    """EOS (or the length limit) reached on the first of two tokens: that token is in the worker's
+    state already, so the closing feed adds only what is missing (nothing, or EOS); the token
+    after it is dropped."""
+    from dsuf.kvcache.snapshot import chain_key
+
+    s = Scheduler(max_batch=4, max_waiting=4, prefill_budget=100, eos_token_id=EOS)
+    req = cached_request(4, max_tokens=2 if finish == "length" else 10)
+    s.add(req)
+    s.on_done(answer(s.plan(), {}))  # the first prompt chunk
+    s.on_done(answer(s.plan(), {req.id: 21}))
+    s.on_done(two(s.plan(), req.id, EOS if finish == "stop" else 22, 23))
+    got = events(req)
+    assert got[-1] == FinishEvent(finish) and [e.choice.token for e in got[:-1]] == ([21] if finish == "stop" else [21, 22])
+    (work,) = s.plan().work
+    assert work.tokens == ([] if finish == "stop" else [EOS]) and not work.sample
+    assert work.snapshot == chain_key("m", req.prompt + [21] + ([EOS] if finish == "stop" else [22, EOS]))

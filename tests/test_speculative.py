@@ -1,14 +1,17 @@
 """Speculative greedy decoding with the MTP layer (dsuf.model.speculative) on the reference path:
-the same tokens as greedy decoding, whether drafts are accepted or rejected, and the drafts'
-tally."""
+exactly greedy decoding's tokens, whether drafts are accepted or rejected, and the drafts' tally."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_server import cache_home  # noqa: E402, F401
 
 from dsuf.cli import greedy
 from dsuf.model import load_model
@@ -24,22 +27,10 @@ def model(tiny_dir):
     return load_model(tiny_dir("default"))
 
 
-def assert_greedy(model, tokens: list[int], want: list[int]) -> None:
-    """The tokens are greedy's; a difference is allowed only where greedy's top two logits tie to
-    the last bits (feeding two rows at once or one at a time may round differently)."""
-    if tokens == want:
-        return
-    at = next(i for i, (a, b) in enumerate(zip(tokens, want)) if a != b)
-    logits = model.forward(torch.cat((PROMPT, torch.tensor(want[:at], dtype=torch.int64))), model.new_state(EXACT), EXACT)[-1]
-    top = logits.topk(2).values
-    assert float(top[0] - top[1]) < 1e-5 * float(top[0].abs()), f"token {at}: {tokens[at]} against greedy's {want[at]}"
-
-
 def test_mtp_drafts_give_greedy_decoding(model):
     want = greedy(model, PROMPT, 24, EXACT)
     got = speculative_greedy(model, PROMPT, 24, EXACT)
-    assert_greedy(model, got.tokens, want)
-    assert len(got.tokens) == len(want) and 0 < got.drafted < len(want)
+    assert got.tokens == want and 0 < got.drafted < len(want)
     print(f"\n  MTP drafts accepted: {got.accepted} of {got.drafted} (random weights)")
 
 
@@ -59,7 +50,7 @@ def test_accepted_and_rejected_drafts_both_keep_greedy_tokens(model, monkeypatch
 
     monkeypatch.setattr(model, "mtp_forward", drafts)
     got = speculative_greedy(model, PROMPT, 20, EXACT)
-    assert_greedy(model, got.tokens, want)
+    assert got.tokens == want
     if oracle == "always right":
         assert got.accepted == got.drafted and got.drafted <= (len(want) + 1) // 2
     else:
@@ -81,4 +72,45 @@ def test_a_model_without_an_mtp_layer_is_refused(tmp_path):
     make_tiny(tmp_path / "no-mtp", family="v4", seed=1, overrides={"vocab_size": 512, "num_nextn_predict_layers": 0})
     proc = subprocess.run([sys.executable, "-m", "dsuf", "generate", "--ckpt", str(tmp_path / "no-mtp"), "--tokens", "1,2", "--speculative"],
                           capture_output=True, text=True)
+    assert proc.returncode != 0 and "MTP layer" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_dsuf_serve_speculative_answers_as_without_drafts(tmp_path, cache_home):
+    """The embedded tiny model served with --speculative: a greedy and a seeded sampled answer,
+    then the greedy request again (its prompt from the conversation cache), equal a plain server's."""
+    import json
+
+    from server_fixture import Server, http, server_env
+
+    def answers(server: Server) -> list:
+        out = []
+        for body in ({"temperature": 0, "max_tokens": 12}, {"temperature": 0.9, "seed": 5, "max_tokens": 12}):
+            body = {"model": "deepseek-chat", "messages": [{"role": "user", "content": "Name three colours."}], **body}
+            status, _, raw = http("POST", server.url + "/v1/chat/completions", body)
+            assert status == 200, raw
+            reply = json.loads(raw)
+            out.append((reply["choices"][0]["message"], reply["choices"][0]["finish_reason"], reply["usage"]["completion_tokens"]))
+        again = http("POST", server.url + "/v1/chat/completions", {"model": "deepseek-chat", "max_tokens": 12, "temperature": 0,
+                                                                   "messages": [{"role": "user", "content": "Name three colours."}]})
+        out.append((json.loads(again[2])["choices"][0]["message"], json.loads(again[2])["usage"].get("prompt_cache_hit_tokens")))
+        return out
+
+    got = {}
+    for name, extra in (("plain", []), ("speculative", ["--speculative"])):
+        server = Server(tmp_path / f"{name}.log", extra, server_env(cache_home))
+        try:
+            server.wait_ready()
+            got[name] = answers(server)
+        finally:
+            server.stop()
+    assert got["speculative"] == got["plain"]
+
+
+def test_dsuf_serve_speculative_refuses_a_model_without_an_mtp_layer(tmp_path, cache_home):
+    from dsuf.model.tiny import make_tiny
+    from server_fixture import REPO, server_env
+
+    make_tiny(tmp_path / "no-mtp", family="v4", seed=1, overrides={"num_nextn_predict_layers": 0})
+    proc = subprocess.run([sys.executable, "-m", "dsuf", "serve", "--ckpt", str(tmp_path / "no-mtp"), "--speculative", "--port", "1"],
+                          capture_output=True, text=True, cwd=REPO, env=server_env(cache_home), timeout=120)
     assert proc.returncode != 0 and "MTP layer" in proc.stderr and "Traceback" not in proc.stderr

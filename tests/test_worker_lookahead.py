@@ -1,12 +1,15 @@
 """The worker's look-ahead (the GPU path's: each sampled token is fed before the step is reported,
-so the next step is computed while the report travels): what the clients receive and every
-conversation snapshot are exactly what they are without it — through decode, the first token of a
-prompt, an EOS and a length finish with their closing snapshots, a cancelled request, and a new
-request joining mid-way. The scheduler drives a real worker over the tiny reference model."""
+so the next step is computed while the report travels) and its speculative decoding (MTP drafts,
+verified with the next token, two tokens a step where accepted): what the clients receive and
+every conversation snapshot are exactly what they are without them — through decode, the first
+token of a prompt, an EOS and a length finish with their closing snapshots, a cancelled request,
+and a new request joining mid-way. The scheduler drives a real worker over the tiny reference
+model."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dsuf.engine.scheduler import FinishEvent, Request, Scheduler, TokenEvent
 from dsuf.kvcache.snapshot import PrefixHasher
@@ -42,13 +45,16 @@ def requests(eos: int) -> list[Request]:
     return out
 
 
-def serve(model, lookahead: bool) -> tuple[list[list], dict[str, bytes], int]:
+def serve(model, seen: dict | None = None, **worker_options) -> tuple[list[list], dict[str, bytes], int, int]:
     """Run the requests to the end: each one's events (tokens with logprobs, the finish), the
-    snapshots made, and how many steps fed a token the worker had fed ahead."""
+    snapshots made, how many works fed a token the worker had fed ahead, and the steps. `seen`
+    receives the worker and the requests."""
     eos = model.config.eos_token_id
-    worker = Worker(model, NUM, "rev", lookahead=lookahead)
+    worker = Worker(model, NUM, "rev", **worker_options)
     sched = Scheduler(max_batch=4, max_waiting=8, prefill_budget=24, eos_token_id=eos)
     reqs = requests(eos)
+    if seen is not None:
+        seen.update(worker=worker, requests={req.id: req for req in reqs})
     for req in reqs[:-1]:
         sched.add(req)
     found_ahead, steps = 0, 0
@@ -67,12 +73,12 @@ def serve(model, lookahead: bool) -> tuple[list[list], dict[str, bytes], int]:
             e = req.events.get_nowait()
             got.append((e.choice.token, e.choice.logprob) if isinstance(e, TokenEvent) else e)
         events.append(got)
-    return events, dict(worker.snapshots), found_ahead
+    return events, dict(worker.snapshots), found_ahead, steps
 
 
 def test_looking_ahead_changes_nothing_the_clients_or_the_caches_see(model) -> None:
-    plain, plain_snapshots, _ = serve(model, lookahead=False)
-    ahead, ahead_snapshots, found = serve(model, lookahead=True)
+    plain, plain_snapshots, _, _ = serve(model)
+    ahead, ahead_snapshots, found, _ = serve(model, lookahead=True)
     assert ahead == plain
     assert ahead_snapshots == plain_snapshots and len(plain_snapshots) == 2  # the two closing snapshots
     finishes = [e[-1] for e in plain]
@@ -105,3 +111,47 @@ def test_a_step_that_does_not_feed_the_token_sampled_fails_only_that_sequence(mo
     by_seq = {o.seq: o for o in out}
     assert by_seq[1].error is not None and "look-ahead" in by_seq[1].error and 1 not in worker.states
     assert by_seq[2].error is None and by_seq[2].choice is not None
+
+
+def backbone(model, blob: bytes) -> bytes:
+    """A snapshot's state without the MTP layer's part (which only speculative decoding feeds)."""
+    from dsuf.kvcache.snapshot import read_header
+    from dsuf.model.state import SequenceState
+
+    header = read_header(blob)
+    state = SequenceState.from_bytes(model.config, bytes(blob[header.payload_offset :]))
+    state.mtp = SequenceState.new(model.config, state.dtype).mtp
+    return state.to_bytes()
+
+
+@pytest.mark.parametrize("drafts", ["mtp", "always right", "always wrong"])
+def test_speculative_decoding_changes_nothing_the_clients_or_the_caches_see(model, monkeypatch, drafts) -> None:
+    """With the tiny model's own MTP layer (random weights: drafts mostly rejected) and with
+    oracle drafts that know each request's answer (all accepted: two tokens a step, EOS and the
+    length limit reached on a draft) or miss it on purpose (all rejected: the state goes back)."""
+    eos = model.config.eos_token_id
+    plain, plain_snapshots, _, plain_steps = serve(model)
+    seen: dict = {}
+    if drafts != "mtp":
+        answers = [[e[0] for e in got if not isinstance(e, FinishEvent)] + [eos] for got in plain]
+        real = model.mtp_forward
+
+        def oracle(streams, next_tokens, start, state, num, depth=0):
+            logits = real(streams, next_tokens, start, state, num, depth)  # the MTP state advances as it would
+            seq = next(s for s, st in seen["worker"].states.items() if st is state)
+            req = seen["requests"][seq]
+            answer = answers[list(seen["requests"]).index(seq)]
+            at = start + next_tokens.shape[0] + 1 - len(req.prompt)  # the drafted token's index in the answer
+            right = answer[at] if 0 <= at < len(answer) else 0
+            logits = torch.zeros_like(logits)
+            logits[-1, right if drafts == "always right" else (right + 1) % logits.shape[1]] = 1.0
+            return logits
+
+        monkeypatch.setattr(model, "mtp_forward", oracle)
+    spec, spec_snapshots, _, spec_steps = serve(model, seen, speculative=True)
+    assert spec == plain
+    assert spec_snapshots.keys() == plain_snapshots.keys() and len(plain_snapshots) == 2
+    assert all(backbone(model, spec_snapshots[k]) == backbone(model, plain_snapshots[k]) for k in plain_snapshots)
+    if drafts == "always right":
+        assert spec_steps < plain_steps  # two tokens a step
+    print(f"\n  {drafts} drafts: {spec_steps} steps (without drafts {plain_steps})")

@@ -43,6 +43,7 @@ class EngineConfig:
     gpus: tuple[int, ...] = ()  # CUDA devices, one worker (tensor-parallel rank) each; none: the CPU reference path
     random_weights: str | None = None  # GPU path: a config.json whose shapes get random weights
     max_context: int = 0  # GPU path: tokens a sequence may hold (its caches are preallocated)
+    speculative: bool = False  # MTP drafts verified with the next token (the reference path so far)
 
 
 class WorkerGone(Exception):
@@ -120,6 +121,8 @@ class Engine:
                 cmd += ["--tp-rank", str(rank), "--tp-world", str(ranks), "--tp-init", rendezvous]
             if cfg.worker_threads:
                 cmd += ["--threads", str(cfg.worker_threads)]
+            if cfg.speculative:
+                cmd += ["--speculative"]
             if cfg.arena:
                 cmd += ["--arena", cfg.arena, "--revision", cfg.revision]
             w.proc = await asyncio.create_subprocess_exec(*cmd, pass_fds=(w.bells[0].fd, w.bells[1].fd))

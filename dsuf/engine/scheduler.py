@@ -79,7 +79,8 @@ class Request:
     hasher: PrefixHasher | None = None  # fed the prompt: names prompt + completion for the closing snapshot
     conversation: str | None = None  # the client's conversation id (prompt_cache_key / X-Conversation-Id)
     output: list[int] = field(default_factory=list)  # sampled tokens (to name the closing snapshot)
-    closing: list[int] | None = None  # finished: tokens still to feed for the closing snapshot
+    closing: list[int] | None = None  # finished: the tokens the closing snapshot adds
+    closing_fed: int = 0  # how many of them the worker has fed already (speculative decoding)
 
     def __post_init__(self) -> None:
         # A seed chosen here, not in each worker: the ranks of a tensor-parallel model all sample
@@ -155,7 +156,7 @@ class Scheduler:
                 req.pending, req.in_flight = None, True
             elif req.closing and not req.in_flight:
                 req.hasher.update(req.output + req.closing)
-                work.append(SeqWork(req.id, req.closing, sample=False, snapshot=req.hasher.key()))
+                work.append(SeqWork(req.id, req.closing[req.closing_fed :], sample=False, snapshot=req.hasher.key()))
                 req.in_flight = True
         budget = self.prefill_budget
         for req in list(self.running.values()):
@@ -208,23 +209,28 @@ class Scheduler:
                 self.running.pop(req.id)
                 self.release.append(req.id)
                 continue
-            if out.choice is None:
-                continue
-            token = out.choice.token
+            if out.choice is not None:
+                self._deliver(req, [out.choice, *out.more])
+
+    def _deliver(self, req: Request, chosen: list[TokenChoice]) -> None:
+        """A step's tokens for one request, in order; the worker has fed all but the last."""
+        for i, choice in enumerate(chosen):
+            token, fed = choice.token, int(i < len(chosen) - 1)
             req.generated += 1
             if token == self.eos:
-                self._complete(req, "stop", [token])
-                continue
-            req.events.put_nowait(TokenEvent(out.choice))
+                self._complete(req, "stop", [token], fed)
+                return
+            req.events.put_nowait(TokenEvent(choice))
             if req.generated >= req.max_tokens:
-                self._complete(req, "length", [token, self.eos])
-            else:
-                req.output.append(token)
-                req.pending = token
+                self._complete(req, "length", [token, self.eos], fed)
+                return
+            req.output.append(token)
+        req.pending = chosen[-1].token
 
-    def _complete(self, req: Request, reason: Literal["stop", "length"], tail: list[int]) -> None:
+    def _complete(self, req: Request, reason: Literal["stop", "length"], tail: list[int], fed: int = 0) -> None:
+        """Finish `req`; tail: the tokens its closing snapshot adds, of which the first `fed` are fed."""
         req.events.put_nowait(FinishEvent(reason))
         if req.hasher is None:
             self.finish(req)
             return
-        req.done, req.closing = True, tail  # the client is answered; the state lives one step on
+        req.done, req.closing, req.closing_fed = True, tail, fed  # the client is answered; the state lives one step on

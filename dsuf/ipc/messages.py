@@ -28,7 +28,8 @@ class Restore(msgspec.Struct):
 
 
 class SeqWork(msgspec.Struct):
-    """New tokens for one sequence in this step: a prompt chunk or the last sampled token."""
+    """New tokens for one sequence in this step: a prompt chunk or the last sampled token (none:
+    only a snapshot, where a closing feed's tokens were all fed already)."""
 
     seq: int
     tokens: list[int]
@@ -59,6 +60,9 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 class SeqOutput(msgspec.Struct):
     seq: int
     choice: TokenChoice | None = None  # None when the work did not ask to sample
+    # Tokens chosen after `choice` in the same step (speculative decoding: accepted drafts). Of
+    # choice + more, the worker has fed all but the last; the last is fed by the next work.
+    more: list[TokenChoice] = []
     error: str | None = None  # this sequence failed (and was dropped); the others carry on
     cache_miss: bool = False  # the failure was its Restore: recompute the prompt from scratch
 

@@ -554,6 +554,17 @@ class ReferenceModel:
         sequence gets exactly the logits `forward` would give it alone."""
         return self._forward(batch, num, last_only)[0]
 
+    @torch.inference_mode()
+    def forward_batch_streams(
+        self, batch: list[tuple[torch.Tensor, SequenceState]], num: Numerics
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """forward_batch's logits after each sequence's last token, and each sequence's final
+        residual streams [T, hc, D] (the MTP layer's input)."""
+        if not batch:
+            return [], []
+        logits, x = self._forward(batch, num, True)
+        return logits, list(x.split([tokens.shape[0] for tokens, _ in batch]))
+
     def _forward(
         self, batch: list[tuple[torch.Tensor, SequenceState]], num: Numerics, last_only: bool
     ) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -1,16 +1,17 @@
-"""Speculative greedy decoding with V4's NextN (MTP) layer, on the reference path: the algorithm
-and the state handling the fast paths follow, and their oracle.
+"""Speculative decoding with V4's NextN (MTP) layer on the reference path: the algorithm and the
+state handling the fast paths follow, and their oracle.
 
-A step feeds the last chosen token t together with the MTP layer's draft d of the token after
-it. The main model's logits after t give the next token; if that is d, the draft is accepted
-and the logits after d give one more token, so the step yields two tokens for one forward of
-two rows. If not, the step yields the one token, and the state is taken back to before d: a
-rejected row must leave no trace (its window entry would be rewritten anyway, but a row that
-completes a compressor group rewrites the compressor state). The MTP layer then drafts from
-the main model's final streams at the rows kept and the tokens chosen after them.
+A step feeds the last chosen token t and then the MTP layer's draft d of the token after it. The
+main model's logits after t give the next token; if it is d, the draft is accepted and the logits
+after d give one more token: two tokens for one step. If not, the step gives the one token and
+the state is taken back to before d: a rejected row must leave no trace (its window entry would
+be rewritten anyway, but a row that completes a compressor group rewrites the compressor state).
+Every token is chosen from the main model's logits after the same prefix, in the same order, so
+the tokens (greedy or sampled with a seed) are those of decoding without drafts.
 
-Every token is the main model's argmax after the same prefix, so the output is greedy
-decoding's (up to the last-bit differences between feeding rows together or one at a time).
+`Drafter` keeps one sequence's MTP inputs: the MTP layer reads each main row's final streams
+with the token chosen after it, so a row whose next token is not known yet (a prompt chunk's
+last) waits for it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,42 @@ from dataclasses import dataclass
 import torch
 
 from .layers import Numerics
+from .state import SequenceState
+
+
+def check_speculation(model) -> None:
+    """A one-line ValueError for a model without an MTP layer to draft with."""
+    if not getattr(model, "mtp", None):
+        raise ValueError("speculative decoding needs the model's MTP layer (V4's num_nextn_predict_layers)")
+
+
+class Drafter:
+    """The MTP drafts of one sequence."""
+
+    def __init__(self, model, num: Numerics) -> None:
+        check_speculation(model)
+        self.model, self.num = model, num
+        self.waiting: tuple[torch.Tensor, int] | None = None  # a fed row's streams [1, hc, D] and position, its next token unknown
+
+    def fed(self, streams: torch.Tensor, start: int, tokens: list[int], state: SequenceState, chosen: list[int]) -> int | None:
+        """Main rows fed at positions start … (their final streams [T, hc, D] and tokens), and the
+        tokens chosen after them (each row's next token past the rows' own: one a row from the
+        last, fewer if not known yet). Returns the draft of the token after the last chosen one,
+        or None when no token is chosen yet."""
+        rows, nexts = [streams], tokens[1:] + chosen
+        if self.waiting is not None and self.waiting[1] == start - 1:
+            rows.insert(0, self.waiting[0])
+            nexts = tokens[:1] + nexts
+            start -= 1
+        rows = torch.cat(rows)
+        self.waiting = None
+        if len(nexts) < rows.shape[0]:  # the last row's next token is not known yet
+            self.waiting = (rows[-1:], start + rows.shape[0] - 1)
+            rows = rows[:-1]
+        if not rows.shape[0]:
+            return None
+        logits = self.model.mtp_forward(rows, torch.tensor(nexts[: rows.shape[0]]), start, state, self.num)
+        return int(logits[-1].argmax()) if len(nexts) == rows.shape[0] and chosen else None
 
 
 @dataclass
@@ -37,28 +74,27 @@ class Speculated:
 @torch.inference_mode()
 def speculative_greedy(model, prompt: torch.Tensor, max_new: int, num: Numerics) -> Speculated:
     """Up to max_new greedy tokens after `prompt` (stopping after EOS), one MTP draft a step."""
-    if not getattr(model, "mtp", None):
-        raise ValueError("speculative decoding needs the model's MTP layer (V4's num_nextn_predict_layers)")
+    drafter = Drafter(model, num)
     eos = model.config.eos_token_id
     state = model.new_state(num)
     logits, streams = model.forward(prompt, state, num, return_streams=True)
     out = [int(logits[-1].argmax())]
-    # The MTP layer reads each position's final streams with the token chosen after it.
-    draft_logits = model.mtp_forward(streams, torch.cat((prompt[1:], torch.tensor(out))), 0, state, num)
+    draft = drafter.fed(streams, 0, prompt.tolist(), state, out)
     drafted = accepted = 0
     while len(out) < max_new and out[-1] != eos:
-        token, draft, pos = out[-1], int(draft_logits[-1].argmax()), state.pos
+        token, pos = out[-1], state.pos
+        logits, streams = model.forward(torch.tensor([token]), state, num, return_streams=True)
         before = copy.deepcopy(state)
-        logits, streams = model.forward(torch.tensor([token, draft]), state, num, return_streams=True)
+        draft_logits, draft_streams = model.forward(torch.tensor([draft]), state, num, return_streams=True)
         drafted += 1
-        chosen = [int(logits[0].argmax())]
+        chosen = [int(logits[-1].argmax())]
         if chosen[0] == draft:
             accepted += 1
-            chosen.append(int(logits[1].argmax()))
+            chosen.append(int(draft_logits[-1].argmax()))
+            streams = torch.cat((streams, draft_streams))
         else:  # back to before the draft's row
             state = before
-            logits, streams = model.forward(torch.tensor([token]), state, num, return_streams=True)
-        draft_logits = model.mtp_forward(streams, torch.tensor(chosen), pos, state, num)
+        draft = drafter.fed(streams, pos, [token] + chosen[:-1], state, chosen[-1:])
         for t in chosen:
             if len(out) < max_new and out[-1] != eos:
                 out.append(t)

@@ -8,6 +8,7 @@ until `Shutdown` or until its parent disappears. One sequence failing never stop
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import sys
@@ -20,6 +21,7 @@ from dsuf.ipc.ring import Channel, Doorbell, Ring
 from dsuf.kvcache.arena import Arena
 from dsuf.kvcache.snapshot import Named, SnapshotError, restore_state, snapshot_state
 from dsuf.model.layers import Numerics
+from dsuf.model.speculative import Drafter, check_speculation
 from dsuf.model.state import SequenceState
 from dsuf.worker.sampling import Draw, Sampler
 
@@ -39,10 +41,18 @@ class Worker:
     and its extra token is dropped with it. Every rank samples (the same logits and seeds give the
     same tokens), so every rank looks ahead alike."""
 
-    def __init__(self, model, num: Numerics, revision: str, arena: Arena | None = None, leader: bool = True, lookahead: bool = False) -> None:
+    def __init__(self, model, num: Numerics, revision: str, arena: Arena | None = None, leader: bool = True, lookahead: bool = False,
+                 speculative: bool = False) -> None:
+        if speculative and (lookahead or not leader):
+            raise ValueError("speculative decoding runs on the reference path (one worker, no look-ahead) for now")
+        if speculative:
+            check_speculation(model)
         self.model = model
         self.leader = leader
         self.lookahead = lookahead
+        self.speculative = speculative
+        self.drafters: dict[int, Drafter] = {}  # speculative: each sequence's MTP inputs
+        self.drafts: dict[int, int] = {}  # speculative: the draft of the token after each sequence's pending one
         self.num = num
         self.revision = revision
         self.arena = arena
@@ -64,12 +74,15 @@ class Worker:
                 if work.params is not None:
                     self.states[work.seq] = self._restore(work) if work.restore else self.model.new_state(self.num)
                     self.samplers[work.seq] = Sampler(work.params, self.model.config.vocab_size)
+                    if self.speculative:
+                        self.drafters[work.seq] = Drafter(self.model, self.num)
                 if work.seq not in self.states:
                     raise KeyError(f"sequence {work.seq} has no state")
                 vocab = self.model.config.vocab_size
-                if not work.tokens or not all(0 <= t < vocab for t in work.tokens):
-                    raise ValueError(f"tokens must be a non-empty list of ids in [0, {vocab})")
-                if work.seq in self.ahead and self.ahead[work.seq][0] != work.tokens[0]:  # the front end feeds the sampled token next
+                snapshot_only = work.snapshot is not None and not work.sample
+                if not (work.tokens or snapshot_only) or not all(0 <= t < vocab for t in work.tokens):
+                    raise ValueError(f"tokens must be a non-empty list of ids in [0, {vocab}) (empty only for a snapshot)")
+                if work.seq in self.ahead and work.tokens[:1] != [self.ahead[work.seq][0]]:  # the front end feeds the sampled token next
                     raise RuntimeError(f"sequence {work.seq}: its look-ahead failed, or the step does not feed the sampled token first")
                 runnable.append(work)
             except SnapshotError as exc:  # a bad cached prefix costs a recompute, never the request
@@ -78,12 +91,13 @@ class Worker:
                 outputs.append(SeqOutput(work.seq, error=f"cached prefix refused: {exc}", cache_miss=True))
             except Exception as exc:
                 outputs.append(self._fail(work.seq, exc))
-        made: list[SnapshotMade] = []
+        if self.speculative:
+            return StepDone(step.step, outputs + self._speculate(runnable), time.perf_counter() - began, self._snapshots(runnable), written)
         try:
             logits = self._forward(runnable)
         except Exception as exc:  # states of this batch are no longer trustworthy: end these sequences
             outputs += [self._fail(w.seq, exc) for w in runnable]
-            return StepDone(step.step, outputs, time.perf_counter() - began, made, written)
+            return StepDone(step.step, outputs, time.perf_counter() - began, [], written)
         draws: list[tuple[int, Draw]] = []
         for work, row in zip(runnable, logits):
             try:
@@ -93,12 +107,7 @@ class Worker:
                     outputs.append(SeqOutput(work.seq))
             except Exception as exc:
                 outputs.append(self._fail(work.seq, exc))
-                continue
-            if work.snapshot is not None and self.leader:
-                try:
-                    made.append(self._snapshot(work.seq, work.snapshot))
-                except Exception:  # a snapshot is an optimisation: losing one never fails the request
-                    log.exception("sequence %d: snapshot not taken", work.seq)
+        made = self._snapshots(runnable)  # of the states after the works' tokens, before any look-ahead
         if self.lookahead and draws:  # queued behind this step on the device, before its tokens are read
             self._look_ahead(draws)
         for seq, draw in draws:
@@ -111,6 +120,57 @@ class Worker:
             if seq in self.ahead and self.ahead[seq][1] is not None:
                 self.ahead[seq] = (choice.token, self.ahead[seq][1])
         return StepDone(step.step, outputs, time.perf_counter() - began, made, written)
+
+    def _speculate(self, runnable: list[SeqWork]) -> list[SeqOutput]:
+        """Run the step with MTP drafts (dsuf.model.speculative): every work's tokens in one
+        batched forward, then each decoding sequence's draft in another, after a copy of its
+        state; a sequence whose sampled token is its draft samples one more from the logits after
+        it, the others go back to the copy. The MTP layer then drafts each sequence's next."""
+        starts = {w.seq: self.states[w.seq].pos for w in runnable}
+        fed = [w for w in runnable if w.tokens]
+        outputs: list[SeqOutput] = []
+        try:
+            logits, streams = self.model.forward_batch_streams([(torch.tensor(w.tokens), self.states[w.seq]) for w in fed], self.num)
+            verify = [w for w in fed if w.sample and w.seq in self.drafts]
+            before = {w.seq: copy.deepcopy(self.states[w.seq]) for w in verify}
+            drafted = self.model.forward_batch_streams([(torch.tensor([self.drafts[w.seq]]), self.states[w.seq]) for w in verify], self.num)
+        except Exception as exc:  # states of this batch are no longer trustworthy: end these sequences
+            return [self._fail(w.seq, exc) for w in runnable]
+        after = dict(zip((w.seq for w in fed), zip(logits, streams)))
+        draft_rows = dict(zip((w.seq for w in verify), zip(*drafted)))
+        for w in runnable:
+            seq = w.seq
+            try:
+                chosen, tokens = [], list(w.tokens)
+                rows = after[seq][1] if w.tokens else None
+                if w.sample:
+                    chosen.append(self.samplers[seq].sample(after[seq][0][-1]))
+                    draft = self.drafts.pop(seq, None)
+                    if seq in draft_rows and chosen[0].token == draft:
+                        draft_logits, draft_streams = draft_rows[seq]
+                        chosen.append(self.samplers[seq].sample(draft_logits[-1]))
+                        rows, tokens = torch.cat((rows, draft_streams)), tokens + [draft]
+                    elif seq in draft_rows:  # back to before the draft's row
+                        self.states[seq] = before[seq]
+                if rows is not None:
+                    nxt = self.drafters[seq].fed(rows, starts[seq], tokens, self.states[seq], [chosen[-1].token] if chosen else [])
+                    if nxt is not None:
+                        self.drafts[seq] = nxt
+                outputs.append(SeqOutput(seq, choice=chosen[0] if chosen else None, more=chosen[1:]))
+            except Exception as exc:
+                outputs.append(self._fail(seq, exc))
+        return outputs
+
+    def _snapshots(self, runnable: list[SeqWork]) -> list[SnapshotMade]:
+        """The snapshots the works ask for (the leader's: it reports them), of the sequences still running."""
+        made = []
+        for work in runnable:
+            if work.snapshot is not None and self.leader and work.seq in self.states:
+                try:
+                    made.append(self._snapshot(work.seq, work.snapshot))
+                except Exception:  # a snapshot is an optimisation: losing one never fails the request
+                    log.exception("sequence %d: snapshot not taken", work.seq)
+        return made
 
     def _forward(self, runnable: list[SeqWork]) -> list[torch.Tensor]:
         """Each work's logits after its tokens, [n, vocab]: one batched forward of what is not fed
@@ -173,6 +233,8 @@ class Worker:
 
     def _drop(self, seq: int) -> None:
         self.ahead.pop(seq, None)
+        self.drafters.pop(seq, None)
+        self.drafts.pop(seq, None)
         state = self.states.pop(seq, None)
         if state is not None:
             self.model.free(state)
@@ -225,7 +287,7 @@ def serve(args: argparse.Namespace) -> int:
         model = load_worker_model(args)
         num = Numerics.parse(args.numerics)
         worker = Worker(model, num, args.revision, Arena.attach(args.arena) if args.arena else None, leader=args.tp_rank == 0,
-                        lookahead=args.gpu is not None)
+                        lookahead=args.gpu is not None, speculative=args.speculative)
         c = model.config
         outbox.send(Ready(model=c.name, vocab_size=c.vocab_size, eos_token_id=c.eos_token_id, load_seconds=time.perf_counter() - began))
     except Exception as exc:
@@ -261,11 +323,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arena", default=None, help="shared-memory name of the front end's snapshot arena")
     parser.add_argument("--revision", default="", help="the checkpoint's revision, written into snapshots")
     parser.add_argument("--threads", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+    parser.add_argument("--speculative", action="store_true", help="reference path: MTP drafts, verified with the next token")
     args = parser.parse_args(argv)
     if not args.ckpt and not args.random_weights:
         parser.error("--ckpt or --random-weights is required")
     if args.random_weights and args.gpu is None:
         parser.error("--random-weights needs --gpu")
+    if args.speculative and args.gpu is not None:
+        parser.error("--speculative runs on the reference path so far")
     if args.tp_world > 1 and (args.gpu is None or not args.tp_init or not 0 <= args.tp_rank < args.tp_world):
         parser.error("--tp-world needs --gpu, --tp-init and a --tp-rank below it")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
