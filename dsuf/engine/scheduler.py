@@ -1,7 +1,8 @@
 """Continuous batching: which sequences run in the next step, with which tokens.
 
-Pure bookkeeping, no I/O, so it is tested on its own. Every step decodes one token for each
-running sequence that has one pending, and spends a token budget on prompt chunks: first for
+Pure bookkeeping, no I/O, so it is tested on its own. Every step decodes a token for each
+running sequence that has one pending (two, where the worker's speculative draft was accepted:
+then it has fed the first already), and spends a token budget on prompt chunks: first for
 prompts already being prefilled, then for waiting requests admitted into the running set (up to
 `max_batch`). Long prompts therefore advance a chunk per step instead of stalling the decodes.
 
