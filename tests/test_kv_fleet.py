@@ -51,7 +51,7 @@ class Fleet:
 
     def start(self, name: str, *, secret: str = SECRET, lease_ms: int = 1500, extra: list[str] = ()) -> Server:
         args = ["--test-hooks", "--server-id", name, "--redis-url", self.redis.url, "--kv-port", "0",
-                "--cluster-secret", secret, "--kv-lease-ms", str(lease_ms), "--kv-fetch-timeout", "1.0",
+                "--cluster-secret", secret, "--kv-lease-ms", str(lease_ms), "--kv-fetch-timeout", "3.0",
                 "--kv-host-bytes", str(64 << 20), *extra]
         server = Server(self.tmp / f"{name}.log", args, server_env(self.cache_home))
         self.servers.append(server)
