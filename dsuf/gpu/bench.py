@@ -54,7 +54,7 @@ from .layer import (
     step_index,
 )
 from .linear import BLOCK
-from .timeline import analyse, graph_spans, report
+from .timeline import analyse, graph_spans, report, trace_spans
 from .tp import TensorParallel, check_tp
 from .weights import V4_FLASH_CONFIG, layer_tensors
 
@@ -326,7 +326,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="also print the CUDA kernels of one eager step of the first configuration "
                    "(with --model --prefill: of one prefill chunk) (torch.profiler)")
     p.add_argument("--trace", nargs="?", const="", metavar="JSON", help="with --model: also print where one replay of the first batch's step "
-                   "goes (kernels alone on the GPU, overlap, idle gaps; dsuf.gpu.timeline), and write rank 0's trace to JSON if given")
+                   "goes (kernels alone on the GPU, overlap, idle gaps; dsuf.gpu.timeline), and one prefill chunk with --prefill; "
+                   "rank 0's traces are written to JSON and JSON's stem + -prefill.json if given")
     p.add_argument("--config", help="a config.json to take the shapes from (default: V4-Flash's, built in)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill", type=int, nargs="*", default=[], metavar="TOKENS",
@@ -388,6 +389,10 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
             seconds = prefill_seconds(model, n_tokens, c.vocab_size)
             if args.profile and not prefills:
                 profile_chunk(model, c.vocab_size, show=rank == 0)
+            if args.trace is not None and not prefills:
+                save = Path(args.trace).with_name(Path(args.trace).stem + "-prefill.json") if args.trace and rank == 0 else None
+                spans = trace_spans(prefill_chunk(model, c.vocab_size), save)
+                say(f"\nwhere one prefill chunk of {model.prefill_rows} tokens goes (rank 0):\n{report(analyse(spans))}\n", flush=True)
             prefills.append((n_tokens, ctx, seconds))
             say(f"  prefill of a {n_tokens}-token prompt (context {ctx}): {seconds:.2f} s = {n_tokens / seconds:.0f} tokens/s", flush=True)
         del model
@@ -415,14 +420,23 @@ def prompts_for(sizes: list[int], contexts: list[int], ctx: int) -> list[int]:
     return [n for n in sizes if min((c for c in contexts if c >= n), default=None) == ctx]
 
 
+def prefill_chunk(model, vocab: int) -> Callable[[], None]:
+    """One prefill chunk of random tokens into a new sequence, freed after (every call the same)."""
+    chunk = torch.randint(0, vocab, (model.prefill_rows,))
+
+    def run() -> None:
+        seq = model.new_state()
+        try:
+            model.forward_batch([(chunk, seq)])
+        finally:
+            model.free(seq)
+
+    return run
+
+
 def profile_chunk(model, vocab: int, show: bool) -> None:
     """The kernels of one prefill chunk (every rank runs it; `show` prints)."""
-    seq = model.new_state()
-    chunk = torch.randint(0, vocab, (model.prefill_rows,))
-    try:
-        profiled(lambda: model.forward_batch([(chunk, seq)]), f"one prefill chunk of {model.prefill_rows} tokens, rank 0", show)
-    finally:
-        model.free(seq)
+    profiled(prefill_chunk(model, vocab), f"one prefill chunk of {model.prefill_rows} tokens, rank 0", show)
 
 
 def prefill_seconds(model, n_tokens: int, vocab: int) -> float:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,17 +103,23 @@ def analyse(spans: list[Span]) -> Timeline:
 
 
 def graph_spans(graph: torch.cuda.CUDAGraph, save: Path | None = None) -> list[Span]:
-    """The kernels of one replay of `graph`, from torch.profiler's trace of two (also written to
-    `save`, for Perfetto or chrome://tracing). Replays on one stream run one after the other, so
+    """The kernels of one replay of `graph` (see trace_spans)."""
+    return trace_spans(graph.replay, save)
+
+
+def trace_spans(run: Callable[[], object], save: Path | None = None) -> list[Span]:
+    """The kernels of one call of `run` (a graph replay, or eager work that launches the same
+    kernels every call), from torch.profiler's trace of two calls after an untraced one (also
+    written to `save`, for Perfetto or chrome://tracing). The calls run one after the other, so
     the second's kernels are the later half; the first absorbs what tracing costs at its start (a
     tensor-parallel rank's first collective waits for its peer's profiler to start)."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph.replay()
+    run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        graph.replay()
+        run()
+        run()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
