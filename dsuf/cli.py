@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -72,6 +73,45 @@ def greedy(model, prompt: torch.Tensor, max_new: int, num) -> list[int]:
     return out
 
 
+@dataclass
+class Speculated:
+    tokens: list[int]
+    drafted: int  # steps that verified a draft (every decode step of a speculating worker)
+    accepted: int  # drafts that were the main model's own choice
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def speculative_greedy(model, prompt: torch.Tensor, max_new: int, num) -> Speculated:
+    """greedy() through the server's speculative worker step (MTP drafts, dsuf.model.speculative):
+    up to max_new tokens after `prompt`, stopping after EOS. ValueError without an MTP layer."""
+    from dsuf.ipc.messages import SeqWork, Step
+    from dsuf.worker.main import Worker
+    from dsuf.worker.sampling import SamplingParams
+
+    worker = Worker(model, num, "", speculative=True)
+    eos = model.config.eos_token_id
+    work = SeqWork(1, prompt.tolist(), sample=True, params=SamplingParams(temperature=0.0))
+    out: list[int] = []
+    drafted = accepted = step = 0
+    while True:
+        step += 1
+        (result,) = worker.run_step(Step(step, [work])).outputs
+        if result.error is not None:
+            raise RuntimeError(result.error)
+        chosen = [c.token for c in (result.choice, *result.more)]  # all but the last fed already
+        if step > 1:
+            drafted, accepted = drafted + 1, accepted + len(chosen) - 1
+        for t in chosen:
+            if len(out) < max_new and (not out or out[-1] != eos):
+                out.append(t)
+        if len(out) >= max_new or out[-1] == eos:
+            return Speculated(out, drafted, accepted)
+        work = SeqWork(1, chosen[-1:], sample=True)
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from dsuf.model import load_model
     from dsuf.model.layers import Numerics
@@ -83,8 +123,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if not args.speculative:
         print(",".join(str(t) for t in greedy(model, tokens, args.max_new, num)))
         return
-    from dsuf.model.speculative import speculative_greedy
-
     try:
         result = speculative_greedy(model, tokens, args.max_new, num)
     except ValueError as exc:

@@ -13,10 +13,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_server import cache_home  # noqa: E402, F401
 
-from dsuf.cli import greedy
+from dsuf.cli import greedy, speculative_greedy
 from dsuf.model import load_model
 from dsuf.model.layers import Numerics
-from dsuf.model.speculative import speculative_greedy
 
 EXACT = Numerics("exact", torch.float32)
 PROMPT = torch.tensor([5, 17, 300, 42, 9, 120, 77, 3, 250, 64, 31, 8])

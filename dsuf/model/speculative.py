@@ -1,5 +1,5 @@
-"""Speculative decoding with V4's NextN (MTP) layer on the reference path: the algorithm and the
-state handling the fast paths follow, and their oracle.
+"""Speculative decoding with V4's NextN (MTP) layer on the reference path (the worker's
+`_speculate` runs it): the algorithm and the state handling the fast paths follow, and their oracle.
 
 A step feeds the last chosen token t and then the MTP layer's draft d of the token after it. The
 main model's logits after t give the next token; if it is d, the draft is accepted and the logits
@@ -15,9 +15,6 @@ last) waits for it.
 """
 
 from __future__ import annotations
-
-import copy
-from dataclasses import dataclass
 
 import torch
 
@@ -58,44 +55,3 @@ class Drafter:
             return None
         logits = self.model.mtp_forward(rows, torch.tensor(nexts[: rows.shape[0]]), start, state, self.num)
         return int(logits[-1].argmax()) if len(nexts) == rows.shape[0] and chosen else None
-
-
-@dataclass
-class Speculated:
-    tokens: list[int]
-    drafted: int  # steps that verified a draft
-    accepted: int  # drafts that were the main model's own choice
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-
-@torch.inference_mode()
-def speculative_greedy(model, prompt: torch.Tensor, max_new: int, num: Numerics) -> Speculated:
-    """Up to max_new greedy tokens after `prompt` (stopping after EOS), one MTP draft a step."""
-    drafter = Drafter(model, num)
-    eos = model.config.eos_token_id
-    state = model.new_state(num)
-    logits, streams = model.forward(prompt, state, num, return_streams=True)
-    out = [int(logits[-1].argmax())]
-    draft = drafter.fed(streams, 0, prompt.tolist(), state, out)
-    drafted = accepted = 0
-    while len(out) < max_new and out[-1] != eos:
-        token, pos = out[-1], state.pos
-        logits, streams = model.forward(torch.tensor([token]), state, num, return_streams=True)
-        before = copy.deepcopy(state)
-        draft_logits, draft_streams = model.forward(torch.tensor([draft]), state, num, return_streams=True)
-        drafted += 1
-        chosen = [int(logits[-1].argmax())]
-        if chosen[0] == draft:
-            accepted += 1
-            chosen.append(int(draft_logits[-1].argmax()))
-            streams = torch.cat((streams, draft_streams))
-        else:  # back to before the draft's row
-            state = before
-        draft = drafter.fed(streams, pos, [token] + chosen[:-1], state, chosen[-1:])
-        for t in chosen:
-            if len(out) < max_new and out[-1] != eos:
-                out.append(t)
-    return Speculated(out, drafted, accepted)
