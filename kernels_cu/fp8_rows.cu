@@ -18,6 +18,18 @@
 #define ROWS_WARPS (ROWS_THREADS / 32)
 #define ROWS_MAX_GROUPS 8  // R <= 128
 
+// Before the PDL wait (the weights depend on no earlier kernel): the CTA's R rows of w (K bytes
+// each, from row r0) are posted as one bulk copy a row to dst (pitch bytes apart), barrier b
+// completing with 16-row group b; bars[0, n_bars) are initialised (n_bars >= R / 16).
+DSUF_DEVICE void post_rows(u8* dst, int pitch, const u8* w, int K, int r0, int R, u64* bars, int n_bars) {
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < n_bars; ++b) mbar_init(&bars[b]);
+    for (int b = 0; b < R >> 4; ++b) mbar_expect_bytes(&bars[b], 16 * K);
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < R; r += ROWS_THREADS) bulk_copy(dst + r * pitch, w + (i64)(r0 + r) * K, K, &bars[r >> 4]);
+}
+
 struct RowsParams {
   const u8* w;      // e4m3 [N, K]
   const u8* ws;     // E8M0 [N/128, K/128]
@@ -36,12 +48,7 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_m8(const 
   u8* xs = smem + p.R * pitch;        // [8][pitch] activations (tokens >= M: zeros)
   float* red = reinterpret_cast<float*>(xs + 8 * pitch);  // [K shares][R][8] partial sums
 
-  if (threadIdx.x == 0) {
-    for (int b = 0; b <= groups; ++b) mbar_init(&bars[b]);
-    for (int b = 0; b < groups; ++b) mbar_expect_bytes(&bars[b], 16 * K);
-  }
-  __syncthreads();
-  for (int r = threadIdx.x; r < p.R; r += ROWS_THREADS) bulk_copy(ws_ + r * pitch, p.w + (i64)(r0 + r) * K, K, &bars[r >> 4]);
+  post_rows(ws_, pitch, p.w, K, r0, p.R, bars, groups + 1);
   pdl_begin();
   if (threadIdx.x == 0) mbar_expect_bytes(&bars[groups], p.M * K);
   __syncthreads();  // the expectation is posted before any activation copy completes
