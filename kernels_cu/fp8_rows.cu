@@ -18,6 +18,18 @@
 #define ROWS_WARPS (ROWS_THREADS / 32)
 #define ROWS_MAX_GROUPS 8  // R <= 128
 
+// Before the PDL wait (the weights depend on no earlier kernel): the CTA's R rows of w (K bytes
+// each, from row r0) are posted as one bulk copy a row to dst (pitch bytes apart), barrier b
+// completing with 16-row group b; bars[0, n_bars) are initialised (n_bars >= R / 16).
+DSUF_DEVICE void post_rows(u8* dst, int pitch, const u8* w, int K, int r0, int R, u64* bars, int n_bars) {
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < n_bars; ++b) mbar_init(&bars[b]);
+    for (int b = 0; b < R >> 4; ++b) mbar_expect_bytes(&bars[b], 16 * K);
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < R; r += ROWS_THREADS) bulk_copy(dst + r * pitch, w + (i64)(r0 + r) * K, K, &bars[r >> 4]);
+}
+
 struct RowsParams {
   const u8* w;      // e4m3 [N, K]
   const u8* ws;     // E8M0 [N/128, K/128]
@@ -36,12 +48,7 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_m8(const 
   u8* xs = smem + p.R * pitch;        // [8][pitch] activations (tokens >= M: zeros)
   float* red = reinterpret_cast<float*>(xs + 8 * pitch);  // [K shares][R][8] partial sums
 
-  if (threadIdx.x == 0) {
-    for (int b = 0; b <= groups; ++b) mbar_init(&bars[b]);
-    for (int b = 0; b < groups; ++b) mbar_expect_bytes(&bars[b], 16 * K);
-  }
-  __syncthreads();
-  for (int r = threadIdx.x; r < p.R; r += ROWS_THREADS) bulk_copy(ws_ + r * pitch, p.w + (i64)(r0 + r) * K, K, &bars[r >> 4]);
+  post_rows(ws_, pitch, p.w, K, r0, p.R, bars, groups + 1);
   pdl_begin();
   if (threadIdx.x == 0) mbar_expect_bytes(&bars[groups], p.M * K);
   __syncthreads();  // the expectation is posted before any activation copy completes
@@ -82,6 +89,96 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_m8(const 
   part[r * 8 + ca1] = acc[1];
   part[(r + 8) * 8 + ca] = acc[2];
   part[(r + 8) * 8 + ca1] = acc[3];
+  __syncthreads();
+  for (int i = threadIdx.x; i < p.R * p.M; i += ROWS_THREADS) {
+    const int m = i / p.R, row = i % p.R;
+    float sum = 0.0f;
+    for (int s = 0; s < shares; ++s) sum += red[(s * p.R + row) * 8 + m];
+    p.out[(i64)m * p.N + r0 + row] = f32_to_bf16(sum);
+  }
+}
+
+// wo_a's grouped FP8 projection with bf16 activations (gemv.cu's FP8 format, the reference's bf16
+// einsum over the exactly dequantised weight) in the same way: y[m, n] = sum_k x[m, g K + k] W[n, k]
+// sw(n, k) for the rows n of group g = n / group_rows, bf16 out. The CTA's rows (one group, one
+// scale row-block) arrive by bulk copy before the PDL wait; after it, the CTA stages its group's K
+// columns of the M tokens, each 4 elements stored as (0, 2, 1, 3) so that a word holds the pair
+// that meets one converted weight word (gemv.cu). Warp (rg, kp) multiplies row group rg over its
+// K-block share kp with bf16 mma (m16n8k16); a block's two 64-element chunks are summed unscaled
+// and the sum times the block's power-of-two scale is added in fp32; the shares are summed in a
+// fixed order. Tokens >= M read as zeros from registers, so only M token rows are staged.
+struct RowsBf16Params {
+  const u8* w;   // e4m3 [N, K]
+  const u8* ws;  // E8M0 [N/128, K/128]
+  const u16* x;  // bf16 [M, ldx]: group g's columns are [g K, g K + K)
+  u16* out;      // bf16 [M, N]
+  int N, K, M, R, ldx, group_rows;
+};
+
+extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_bf16x_m8(const __grid_constant__ RowsBf16Params p) {
+  extern __shared__ __align__(128) u8 smem[];
+  __shared__ u64 bars[ROWS_MAX_GROUPS];
+  const int K = p.K, KB = K >> 7, pitch = K + 64, xpitch = 2 * K + 16, groups = p.R >> 4;
+  const int r0 = blockIdx.x * p.R;
+  u8* ws_ = smem;                                                // [R][pitch] weights
+  u8* xs = smem + p.R * pitch;                                   // [M][xpitch] activations
+  float* red = reinterpret_cast<float*>(xs + p.M * xpitch);      // [K shares][R][8] partial sums
+  post_rows(ws_, pitch, p.w, K, r0, p.R, bars, groups);
+  pdl_begin();
+  const u16* xg = p.x + (i64)(r0 / p.group_rows) * K;
+  for (int i = threadIdx.x; i < p.M * (K / 8); i += ROWS_THREADS) {
+    const int m = i / (K / 8), q = i % (K / 8);
+    const uint4 v = ld_nc16(xg + (i64)m * p.ldx + 8 * q);
+    *reinterpret_cast<uint4*>(xs + m * xpitch + 16 * q) = make_uint4(
+        __byte_perm(v.x, v.y, 0x5410), __byte_perm(v.x, v.y, 0x7632), __byte_perm(v.z, v.w, 0x5410), __byte_perm(v.z, v.w, 0x7632));
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int shares = ROWS_WARPS / groups, rg = warp % groups, kp = warp / groups;
+  const int kb0 = kp * KB / shares, kb1 = (kp + 1) * KB / shares;
+  const u8* wrow = ws_ + (rg * 16 + g) * pitch + 16 * t;  // rows g and g + 8 of the group: 16 e4m3 a 64-element chunk
+  const u8* xrow = xs + g * xpitch + 32 * t;              // token g: the matching 16 bf16
+  const bool has_x = g < p.M;
+  const u8* sw_row = p.ws + (i64)(r0 >> 7) * KB;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  mbar_wait(&bars[rg], 0);
+  for (int kb = kb0; kb < kb1; ++kb) {
+    float blk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = 2 * kb + h;
+      const uint4 w0 = *reinterpret_cast<const uint4*>(wrow + c * 64), w1 = *reinterpret_cast<const uint4*>(wrow + 8 * pitch + c * 64);
+      uint4 x0 = make_uint4(0, 0, 0, 0), x1 = make_uint4(0, 0, 0, 0);
+      if (has_x) {
+        x0 = *reinterpret_cast<const uint4*>(xrow + c * 128);
+        x1 = *reinterpret_cast<const uint4*>(xrow + c * 128 + 16);
+      }
+      u32 a[4][4];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const u32 q0 = word(w0, s), q1 = word(w1, s);
+        a[s][0] = e4m3_even_to_bf16x2(q0);
+        a[s][1] = e4m3_even_to_bf16x2(q1);
+        a[s][2] = e4m3_odd_to_bf16x2(q0);
+        a[s][3] = e4m3_odd_to_bf16x2(q1);
+      }
+      mma_bf16(blk, a[0], x0.x, x0.y);
+      mma_bf16(blk, a[1], x0.z, x0.w);
+      mma_bf16(blk, a[2], x1.x, x1.y);
+      mma_bf16(blk, a[3], x1.z, x1.w);
+    }
+    const float sw = e8m0_to_f32(sw_row[kb]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += blk[i] * sw;
+  }
+  // acc: (row g, tokens 2t and 2t + 1), (row g + 8, the same tokens).
+  const int r = rg * 16 + g;
+  float* part = red + kp * p.R * 8;
+  part[r * 8 + 2 * t] = acc[0];
+  part[r * 8 + 2 * t + 1] = acc[1];
+  part[(r + 8) * 8 + 2 * t] = acc[2];
+  part[(r + 8) * 8 + 2 * t + 1] = acc[3];
   __syncthreads();
   for (int i = threadIdx.x; i < p.R * p.M; i += ROWS_THREADS) {
     const int m = i / p.R, row = i % p.R;

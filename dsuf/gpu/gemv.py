@@ -10,7 +10,10 @@ over HBM bandwidth:
   fp32 accumulation and a bf16 output, as the reference's grouped einsum.
 
 Up to 64 tokens go through one launch (larger batches are cut into 64-token slices; prompt chunks
-of dense.DENSE_MIN_ROWS rows and more run wo_a on cuBLAS over its bf16 copy). K is split
+of dense.DENSE_MIN_ROWS rows and more run wo_a on cuBLAS over its bf16 copy). Up to 8 tokens,
+where a CTA per 16-128 rows of wo_a gives at most one CTA an SM and the rows fit in shared memory
+(a tensor-parallel rank's share), kernels_cu/fp8_rows.cu's fp8_rows_bf16x_m8 runs it instead:
+each CTA's rows arrive in shared memory by bulk copy before the PDL wait, and no K is split. K is split
 over the CTAs of a thread-block cluster, whose partial sums meet in distributed shared memory in a
 fixed order: results are deterministic and a launch keeps no state (no scratch, no counters), so
 any call may be captured in a CUDA graph.
@@ -23,7 +26,7 @@ import ctypes
 import torch
 
 from .dense import DENSE_MIN_ROWS, fp8_weight_bf16
-from .linear import BLOCK, scale_bytes, sm_count
+from .linear import BLOCK, ROWS_TOKENS, rows_per_cta, scale_bytes, sm_count
 from .runtime import get_kernel
 
 TILE = 64  # weight rows a CTA
@@ -47,6 +50,29 @@ class GemvParams(ctypes.Structure):
         ("ldx", ctypes.c_int),
         ("group_rows", ctypes.c_int),
     ]
+
+
+class RowsBf16Params(ctypes.Structure):
+    """Mirror of `struct RowsBf16Params` in kernels_cu/fp8_rows.cu."""
+
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("ws", ctypes.c_void_p),
+        ("x", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("N", ctypes.c_int),
+        ("K", ctypes.c_int),
+        ("M", ctypes.c_int),
+        ("R", ctypes.c_int),
+        ("ldx", ctypes.c_int),
+        ("group_rows", ctypes.c_int),
+    ]
+
+
+def rows_bf16x_shared_bytes(rows: int, k: int, m: int) -> int:
+    """fp8_rows_bf16x_m8's shared memory: its rows of e4m3 (K + 64 bytes each), m token rows of
+    bf16 (2K + 16 bytes each) and 4 KB of partial sums."""
+    return rows * (k + 64) + m * (2 * k + 16) + 4096
 
 
 def _tokens(m: int) -> int:
@@ -142,7 +168,8 @@ def fp8_grouped_gemv(
     """Grouped x @ dequant(w)ᵀ: x bf16 [M, G*K], w e4m3 [G*N, K] with E8M0 128x128 scales
     [G*N/128, K/128] (float8_e8m0fnu or uint8) -> bf16 [M, G*N], where group g gives
     out[:, g*N:(g+1)*N] = x[:, g*K:(g+1)*K] @ (w[g*N:(g+1)*N] * scale)ᵀ. N a multiple of 64 with
-    G*N of 128, K a multiple of 256 (of 256 * splits). bf16 products of the exactly dequantised
+    G*N of 128, K a multiple of 256 (of 256 * splits; `splits` forces the cluster GEMV with that
+    K split, for tuning and tests). bf16 products of the exactly dequantised
     weight, fp32 accumulation, one bf16 rounding: the reference's bf16 einsum."""
     rows, k = w.shape
     if w.dtype != torch.float8_e4m3fn or groups < 1 or rows % groups:
@@ -159,6 +186,12 @@ def fp8_grouped_gemv(
     if m >= DENSE_MIN_ROWS:  # a prompt chunk: cuBLAS over the weight's bf16 copy
         wb = fp8_weight_bf16(w, ws).view(groups, n, k)
         out.view(m, groups, n).copy_(torch.bmm(x.view(m, groups, k).transpose(0, 1), wb.transpose(1, 2)).transpose(0, 1))
+        return out
+    rows_cta = rows_per_cta(rows, sm_count(w.device), lambda r: rows_bf16x_shared_bytes(r, k, m), divides=n) if m <= ROWS_TOKENS else None
+    if rows_cta is not None and splits is None:
+        shared = rows_bf16x_shared_bytes(rows_cta, k, m)
+        p = RowsBf16Params(w.data_ptr(), ws.data_ptr(), x.data_ptr(), out.data_ptr(), rows, k, m, rows_cta, x.stride(0), n)
+        get_kernel("fp8_rows", "fp8_rows_bf16x_m8", w.device)((rows // rows_cta, 1, 1), 256, [p], shared=shared)
         return out
     _launch(FP8, w, ws, x, out, k, n, splits)
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -49,11 +50,12 @@ def rows_shared_bytes(rows: int, k: int) -> int:
     return (rows + ROWS_TOKENS) * (k + 64) + 4096
 
 
-def rows_per_cta(n: int, k: int, sms: int) -> int | None:
-    """fp8_rows' rows a CTA for an [n, k] weight: the fewest (the most CTAs) that give at most one
-    CTA an SM and fit in shared memory; None where no choice does."""
+def rows_per_cta(n: int, sms: int, shared_bytes: Callable[[int], int], divides: int | None = None) -> int | None:
+    """fp8_rows' rows a CTA for n weight rows: the fewest (the most CTAs) that give at most one
+    CTA an SM and fit in shared memory (shared_bytes(rows)), and divide `divides` if given; None
+    where no choice does."""
     for rows in (16, 32, 64, 128):
-        if n % rows == 0 and n // rows <= sms and rows_shared_bytes(rows, k) <= ROWS_SHARED_MAX:
+        if n % rows == 0 and n // rows <= sms and shared_bytes(rows) <= ROWS_SHARED_MAX and (divides is None or divides % rows == 0):
             return rows
     return None
 
@@ -146,7 +148,7 @@ class Fp8Linear:
         self.weight = weight.contiguous()
         self.scale = scale_bytes(scale)
         self.counter = torch.zeros(n // CTA_ROWS, dtype=torch.int32, device=weight.device)
-        self.rows = rows_per_cta(n, k, sm_count(weight.device))
+        self.rows = rows_per_cta(n, sm_count(weight.device), lambda rows: rows_shared_bytes(rows, k))
 
     @property
     def out_features(self) -> int:

@@ -77,10 +77,10 @@ TP2_SHAPES = {"attn.wq_b / 2": (16384, 1024), "attn.wo_b / 2": (4096, 4096), "sh
 def test_fp8_rows_equals_the_reference(cuda, name, m):
     """The no-split-K kernel (fp8_rows.cu) on the shapes it takes, against the reference; tokens
     past m must not leak into the sums."""
-    from dsuf.gpu.linear import rows_per_cta, sm_count
+    from dsuf.gpu.linear import rows_per_cta, rows_shared_bytes, sm_count
 
     n, k = {**SHAPES, **TP2_SHAPES}[name]
-    assert rows_per_cta(n, k, sm_count(cuda)) is not None, "fp8_rows should take this shape"
+    assert rows_per_cta(n, sm_count(cuda), lambda rows: rows_shared_bytes(rows, k)) is not None, "fp8_rows should take this shape"
     w, s = random_fp8_weight(n, k, cuda)
     x = random_activations(m, k, cuda)
     lin = Fp8Linear(w, s)

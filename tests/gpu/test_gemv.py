@@ -88,6 +88,29 @@ def test_fp8_grouped_gemv(cuda, m):
         assert torch.equal(fp8_grouped_gemv(x, w, s.view(torch.uint8), GROUPS, splits=splits), out), "not deterministic"
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_wo_a_of_a_tensor_parallel_rank_runs_a_cta_per_rows(cuda, m):
+    """A rank's half of wo_a (4 of the 8 groups) at decode: fp8_rows_bf16x_m8 (rows in shared
+    memory before the PDL wait, no split K), as exact as the cluster GEMV; tokens past m must not
+    leak into the sums."""
+    from dsuf.gpu.gemv import rows_bf16x_shared_bytes
+    from dsuf.gpu.linear import rows_per_cta, sm_count
+
+    groups = GROUPS // 2
+    w, s = quant.quant_fp8_weight(torch.randn(groups * O_RANK, D, device=cuda) * D**-0.5, 128)
+    assert rows_per_cta(groups * O_RANK, sm_count(cuda), lambda r: rows_bf16x_shared_bytes(r, D, m), divides=O_RANK) is not None
+    w_bf16 = quant.dequant_fp8_weight(w, s, 128).to(torch.bfloat16)
+    x = random_activations(m, groups * D, cuda)
+    ref = torch.einsum("tgd,grd->tgr", x.double().view(m, groups, D), w_bf16.double().view(groups, O_RANK, D)).flatten(1)
+    out = torch.full((m, groups * O_RANK), float("nan"), dtype=torch.bfloat16, device=cuda)  # poison
+    fp8_grouped_gemv(x, w, s, groups, out=out)
+    rel, worst = compare(f"fp8_rows_bf16x wo_a / 2 x {m}", out, ref)
+    assert rel < 2.5e-3 and worst <= 1.0
+    assert torch.equal(fp8_grouped_gemv(x, w, s, groups), out), "not deterministic"
+    cluster = fp8_grouped_gemv(x, w, s, groups, splits=4)
+    print(f"  against the cluster GEMV: {(cluster != out).sum().item()} of {out.numel()} outputs differ (one fp32 sum order each)")
+
+
 def graph_us(calls: list[Callable[[], object]], reps: int = 20) -> float:
     """µs per call: the calls (run once eagerly first) captured as one CUDA graph, median of `reps` replays."""
     for call in calls:
