@@ -1,16 +1,21 @@
 // Low-latency collectives among the tensor-parallel ranks of one host, over CUDA IPC peer memory
 // (NVLink): one kernel launch each, no NCCL, capturable in CUDA graphs.
 //
-// Every rank owns a staging buffer of two slots and a flag array, both mapped into every rank's
-// address space. A call (every call launches exactly CTAS CTAs on every rank) goes:
-//   1. CTA b copies its share [lo, hi) of the input into this call's slot of its own staging;
+// Every rank owns an inbox (two slots, each with a region per sender rank) and a flag array, both
+// mapped into every rank's address space. A call (every call launches exactly CTAS CTAs on every
+// rank) goes:
+//   1. CTA b pushes its share [lo, hi) of the input into this call's slot, its own region, of
+//      every rank's inbox (its own included): stores over NVLink, which do not wait for a reply;
 //   2. the CTAs b of all ranks meet: each stores the call's epoch into every rank's flag (b, me)
-//      with release semantics, then waits until its own flags (b, r) reach the epoch (acquire);
-//   3. CTA b reads share [lo, hi) of every rank's slot, in rank order, and writes the output.
-// A CTA only reads what the same-numbered CTAs of the peers wrote, so a per-CTA meeting suffices.
-// Slots alternate by call: a rank writes slot s again two calls later, and by then every peer
-// has met it in the call between, so its previous reads of slot s are over (kernels of a rank
-// run in stream order). Epochs are per-CTA counters in device memory, so replays of a captured
+//      with release semantics (after its pushes), then waits until its own flags (b, r) reach the
+//      epoch (acquire): every rank's share has then landed in its own inbox;
+//   3. CTA b reads share [lo, hi) of every sender's region of its own inbox (local memory), in
+//      rank order, and writes the output.
+// Pushing instead of reading the peers' buffers saves a round trip over NVLink per call. A CTA
+// only reads what the same-numbered CTAs of the peers wrote, so a per-CTA meeting suffices.
+// Slots alternate by call: a rank pushes into slot s again two calls later, and by then every
+// peer has met it in the call between, so its reads of slot s are over (kernels of a rank run in
+// stream order). Epochs are per-CTA counters in device memory, so replays of a captured
 // graph keep counting. Sums are taken in rank order, so every rank gets the same bits (ranks keep
 // replicated state, e.g. KV caches and expert routing, that must not drift apart).
 #include "mhc.cuh"
@@ -21,7 +26,7 @@
 #define TIMEOUT_NS 60000000000ull  // a peer that never arrives (it died) ends in a trap, not a hang
 
 struct Peers {
-  u8* staging[MAX_RANKS];  // rank r's staging buffer (two slots of slot_bytes), mapped here
+  u8* staging[MAX_RANKS];  // rank r's inbox (slot s, sender q at (s * world + q) * slot_bytes), mapped here
   u32* flags[MAX_RANKS];   // rank r's flags [CTAS][MAX_RANKS], mapped here
   u32* epoch;              // this rank's per-CTA call counters [CTAS]
   i64 slot_bytes;
@@ -99,12 +104,17 @@ DSUF_DEVICE void share(i64 n, i64& lo, i64& hi) {
   hi = lo + per < n ? lo + per : n;
 }
 
+// Sender q's region of this call's slot in rank r's inbox.
+DSUF_DEVICE u8* region(const Peers& P, int r, int q, u32 epoch) { return P.staging[r] + ((epoch & 1) * P.world + q) * P.slot_bytes; }
+
 DSUF_DEVICE void stage_in(const Peers& P, u32 epoch, const uint4* in, i64 lo, i64 hi) {
-  uint4* mine = reinterpret_cast<uint4*>(P.staging[P.rank] + (epoch & 1) * P.slot_bytes);
-  for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) mine[i] = in[i];
+  for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) {
+    const uint4 v = in[i];
+    for (int r = 0; r < P.world; ++r) reinterpret_cast<uint4*>(region(P, r, P.rank, epoch))[i] = v;
+  }
 }
 
-// Steps 1 and 2 of a call whose input is `vecs` 16-byte vectors: this CTA's share [lo, hi) staged,
+// Steps 1 and 2 of a call whose input is `vecs` 16-byte vectors: this CTA's share [lo, hi) pushed,
 // the ranks met. Returns the call's epoch.
 DSUF_DEVICE u32 stage_and_meet(const Peers& P, const void* in, i64 vecs, i64& lo, i64& hi) {
   const u32 epoch = begin_call(P);
@@ -114,7 +124,8 @@ DSUF_DEVICE u32 stage_and_meet(const Peers& P, const void* in, i64 vecs, i64& lo
   return epoch;
 }
 
-DSUF_DEVICE const u8* slot_of(const Peers& P, int r, u32 epoch) { return P.staging[r] + (epoch & 1) * P.slot_bytes; }
+// What rank r pushed this call: its region of this rank's own inbox.
+DSUF_DEVICE const u8* slot_of(const Peers& P, int r, u32 epoch) { return region(P, P.rank, r, epoch); }
 
 // The rank-ordered float32 sum of vector i (8 bf16) of every rank's staged input, each element
 // rounded to bf16 (returned as floats) and stored to out.

@@ -78,8 +78,8 @@ class _CollParams(ctypes.Structure):
 
 
 class IpcCollective:
-    """Staging buffers of `slot_bytes` a slot (the largest message a rank contributes) in every
-    rank's memory, mapped into every other rank through CUDA IPC. Construct it on every rank of
+    """Inboxes in every rank's memory, two slots of `slot_bytes` (the largest message a rank
+    contributes) for each sender, mapped into every other rank through CUDA IPC. Construct it on every rank of
     `group` at the same time (it exchanges handles and waits for all)."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device, slot_bytes: int, bulk: NcclCollective | None = None) -> None:
@@ -91,7 +91,7 @@ class IpcCollective:
         self.device, self.slot_bytes = device, -(-slot_bytes // 16) * 16
         torch.zeros(1, device=device)  # the primary context, current on this thread
         # Held for the process's life: the driver frees them, and unmaps the peers', at exit.
-        own = [self._alloc(2 * self.slot_bytes), self._alloc(FLAG_BYTES)]
+        own = [self._alloc(2 * self.world * self.slot_bytes), self._alloc(FLAG_BYTES)]
         (err,) = driver.cuMemsetD32(own[1], 0, FLAG_BYTES // 4)
         _check(err, "cuMemsetD32")
         self.epoch = torch.zeros(CTAS, dtype=torch.int32, device=device)
