@@ -119,8 +119,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
   const int split = blockIdx.x, row = blockIdx.y;
   const int begin = split * p.per_split, end = min(p.n_idx, begin + p.per_split);
 
+  // A tensor-parallel rank's heads (p.heads of 64), padded to whole 16-head MMA tiles: the tiles
+  // past them are neither computed nor written.
+  const int hp = (p.heads + 15) & ~15;
   const u16* q = p.q + (i64)row * p.heads * DIM;
-  for (int i = tid; i < HEADS * DIM / 8; i += 256) {
+  for (int i = tid; i < hp * DIM / 8; i += 256) {
     const int h = i / (DIM / 8), c = i % (DIM / 8);
     *reinterpret_cast<uint4*>(q_s + h * ROW + 8 * c) = h < p.heads ? *reinterpret_cast<const uint4*>(q + h * DIM + 8 * c) : make_uint4(0, 0, 0, 0);
   }
@@ -142,7 +145,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
     if (base + TILE < end) gather_load(gat, p, row, base + TILE + ge, end, gj);  // next tile in flight
     __syncthreads();
 
-    {  // S = Q K^T * scale for heads 16 mt .., keys 16 nh ..
+    if (16 * (warp & 3) < hp) {  // S = Q K^T * scale for heads 16 mt .., keys 16 nh ..
       const int mt = warp & 3, nh = warp >> 2;
       float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
       const u16* qa = q_s + (16 * mt + (lane & 15)) * ROW + (lane >> 4) * 8;
@@ -168,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
     }
     __syncthreads();
 
-    {  // online softmax of head sr over this tile
+    if (sr < hp) {  // online softmax of head sr over this tile (whole warps: 8 heads a warp)
       float v[8], mx = NEG_INF;
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
@@ -199,6 +202,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
     {  // O = alpha O + P K for dims 64 warp ..
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt) {
+        if (16 * mt >= hp) break;
         const float a0 = alpha_s[16 * mt + g], a1 = alpha_s[16 * mt + g + 8];
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
@@ -217,6 +221,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
                                        (lane >> 4) * 8);
 #pragma unroll
         for (int mt = 0; mt < 4; ++mt) {
+          if (16 * mt >= hp) break;
           u32 a[4];
           ldmatrix_x4(a, p_s + (16 * mt + (lane & 15)) * P_ROW + 16 * kstep + (lane >> 4) * 8);
 #pragma unroll
@@ -230,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
   }
 
   const i64 part = (i64)row * p.splits + split;
-  if (sq == 0) {
+  if (sq == 0 && sr < p.heads) {
     p.part_ml[(part * HEADS + sr) * 2] = m_run;
     p.part_ml[(part * HEADS + sr) * 2 + 1] = l_run;
   }
@@ -240,8 +245,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
       const int h = 16 * mt + g, d = 64 * warp + 8 * n + 2 * t;
-      *reinterpret_cast<float2*>(po + h * DIM + d) = make_float2(acc[mt][n][0], acc[mt][n][1]);
-      *reinterpret_cast<float2*>(po + (h + 8) * DIM + d) = make_float2(acc[mt][n][2], acc[mt][n][3]);
+      if (h < p.heads) *reinterpret_cast<float2*>(po + h * DIM + d) = make_float2(acc[mt][n][0], acc[mt][n][1]);
+      if (h + 8 < p.heads) *reinterpret_cast<float2*>(po + (h + 8) * DIM + d) = make_float2(acc[mt][n][2], acc[mt][n][3]);
     }
 }
 
