@@ -22,11 +22,20 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
 
   const int d = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
   if (d >= D) return;
+  // Every row's vector requested before any is added, so their latencies overlap.
+  uint4 v[MAX_TOPK + 1];
+#pragma unroll
+  for (int r = 0; r <= MAX_TOPK; ++r) {
+    if (r <= topk) {
+      const u16* src = r < topk ? routed + ((i64)tok * topk + order[r]) * D : shared + (i64)tok * D;
+      v[r] = *reinterpret_cast<const uint4*>(src + d);
+    }
+  }
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  for (int r = 0; r <= topk; ++r) {
-    const u16* src = r < topk ? routed + ((i64)tok * topk + order[r]) * D : shared + (i64)tok * D;
-    const uint4 v = *reinterpret_cast<const uint4*>(src + d);
-    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int r = 0; r <= MAX_TOPK; ++r) {
+    if (r > topk) break;
+    const u32 w[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       acc[2 * i] += bf16_to_f32(w[i] & 0xffff);

@@ -7,7 +7,8 @@
 // per-head q norm and the kv norm, each followed by RoPE. hc_pre_collapse_rmsnorm_bf16 is
 // hc_collapse_rmsnorm_bf16 with pre formed from the mHC site's mixes in the kernel (a decode
 // site's block input: mhc.cu makes post and comb meanwhile). One CTA of 256 threads per row, 8
-// elements a thread per pass, D % 8 == 0 and D <= 8192.
+// elements a thread per pass, D % 8 == 0 and D <= 8192; a thread requests all of its row's
+// vectors (of all 4 streams, for a collapse) before it uses any, so their latencies overlap.
 //
 // Every kernel can also write its bf16 output FP8-quantised as act_quant.cu would quantise it
 // (xq e4m3 [rows, D], sx float32 [rows, D/128]; D % 128 == 0): the 16 threads that hold a
@@ -30,12 +31,32 @@ DSUF_DEVICE void quantize8(const u32 (&o)[4], u8* __restrict__ xq, float* __rest
   if ((threadIdx.x & 15) == 0) sx[row * (D >> 7) + (d >> 7)] = pow2f(e);
 }
 
-// pre: the row's n collapse coefficients (COLLAPSE); cos_t / sin_t [positions, 32] or null (no
+// A row's input in registers: its 16-byte vectors of each of the N streams (N = 0: one plain row).
+// All of them are requested before any is used, so their latencies overlap.
+template <int N>
+struct RowIn {
+  uint4 raw[VPT][N > 0 ? N : 1];
+};
+
+template <int N>
+DSUF_DEVICE void load_row(const u16* __restrict__ x, int D, RowIn<N>& in) {
+  const int row = blockIdx.x;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int d = (threadIdx.x + v * 256) * 8;
+    if (d < D) {
+#pragma unroll
+      for (int i = 0; i < (N > 0 ? N : 1); ++i) in.raw[v][i] = *reinterpret_cast<const uint4*>(x + ((i64)row * (N > 0 ? N : 1) + i) * D + d);
+    }
+  }
+}
+
+// pre: the row's N collapse coefficients (N > 0); cos_t / sin_t [positions, 32] or null (no
 // rotation); row r is at position r / per_pos.
-template <bool COLLAPSE>
-DSUF_DEVICE void rmsnorm_row(const u16* __restrict__ x, const float* __restrict__ pre, int n,
-                             const float* __restrict__ w, u16* __restrict__ out, u8* __restrict__ xq, float* __restrict__ sx, int D, float eps,
-                             const float* __restrict__ cos_t = nullptr, const float* __restrict__ sin_t = nullptr, int per_pos = 1) {
+template <int N>
+DSUF_DEVICE void norm_row(const RowIn<N>& in, const float* __restrict__ pre, const float* __restrict__ w, u16* __restrict__ out,
+                          u8* __restrict__ xq, float* __restrict__ sx, int D, float eps,
+                          const float* __restrict__ cos_t = nullptr, const float* __restrict__ sin_t = nullptr, int per_pos = 1) {
   __shared__ double partial[8];
   const int row = blockIdx.x;
   float y[VPT][8];
@@ -44,12 +65,12 @@ DSUF_DEVICE void rmsnorm_row(const u16* __restrict__ x, const float* __restrict_
   for (int v = 0; v < VPT; ++v) {
     const int d = (threadIdx.x + v * 256) * 8;
     if (d >= D) break;
-    if (COLLAPSE) {
+    if (N > 0) {
       double s[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
-      for (int i = 0; i < n; ++i) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
         const double p = pre[i];
-        const uint4 raw = *reinterpret_cast<const uint4*>(x + ((i64)row * n + i) * D + d);
-        const u32 q[4] = {raw.x, raw.y, raw.z, raw.w};
+        const u32 q[4] = {in.raw[v][i].x, in.raw[v][i].y, in.raw[v][i].z, in.raw[v][i].w};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           s[2 * k] += p * (double)bf16_to_f32(q[k] & 0xffff);
@@ -59,8 +80,7 @@ DSUF_DEVICE void rmsnorm_row(const u16* __restrict__ x, const float* __restrict_
 #pragma unroll
       for (int k = 0; k < 8; ++k) y[v][k] = bf16_to_f32(f32_to_bf16((float)s[k]));
     } else {
-      const uint4 raw = *reinterpret_cast<const uint4*>(x + (i64)row * D + d);
-      const u32 q[4] = {raw.x, raw.y, raw.z, raw.w};
+      const u32 q[4] = {in.raw[v][0].x, in.raw[v][0].y, in.raw[v][0].z, in.raw[v][0].w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         y[v][2 * k] = bf16_to_f32(q[k] & 0xffff);
@@ -103,7 +123,9 @@ DSUF_DEVICE void rmsnorm_row(const u16* __restrict__ x, const float* __restrict_
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_bf16(
     const u16* x, const float* w, u16* out, u8* xq, float* sx, int D, float eps) {
   pdl_begin();
-  rmsnorm_row<false>(x, nullptr, 1, w, out, xq, sx, D, eps);
+  RowIn<0> in;
+  load_row(x, D, in);
+  norm_row(in, nullptr, w, out, xq, sx, D, eps);
 }
 
 // x [rows, D] bf16, w [D] float32 or null -> out [rows, D] bf16, its last 64 dims rotated by
@@ -111,15 +133,19 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_bf16(
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_rope_bf16(
     const u16* x, const float* w, u16* out, int D, float eps, const float* cos_t, const float* sin_t, int per_pos) {
   pdl_begin();
-  rmsnorm_row<false>(x, nullptr, 1, w, out, nullptr, nullptr, D, eps, cos_t, sin_t, per_pos);
+  RowIn<0> in;
+  load_row(x, D, in);
+  norm_row(in, nullptr, w, out, nullptr, nullptr, D, eps, cos_t, sin_t, per_pos);
 }
 
-// X [rows, n, D] bf16 streams, pre [rows, n] float32, w [D] float32 -> out [rows, D] bf16 (and
+// X [rows, 4, D] bf16 streams, pre [rows, 4] float32, w [D] float32 -> out [rows, D] bf16 (and
 // (xq, sx) unless null).
 extern "C" __global__ void __launch_bounds__(256) hc_collapse_rmsnorm_bf16(
-    const u16* x, const float* pre, int n, const float* w, u16* out, u8* xq, float* sx, int D, float eps) {
+    const u16* x, const float* pre, const float* w, u16* out, u8* xq, float* sx, int D, float eps) {
   pdl_begin();
-  rmsnorm_row<true>(x, pre + (i64)blockIdx.x * n, n, w, out, xq, sx, D, eps);
+  RowIn<HC_N> in;
+  load_row(x, D, in);
+  norm_row(in, pre + (i64)blockIdx.x * HC_N, w, out, xq, sx, D, eps);
 }
 
 // X [rows, 4, D] bf16 streams, mix [rows, 24] float32 (the site's mixes), scale [3], base [24],
@@ -129,7 +155,9 @@ extern "C" __global__ void __launch_bounds__(256) hc_pre_collapse_rmsnorm_bf16(
     int D, float eps) {
   pdl_begin();
   __shared__ float pre[HC_N];
+  RowIn<HC_N> in;
+  load_row(x, D, in);  // in flight while pre is formed
   if (threadIdx.x < HC_N) pre[threadIdx.x] = hc_pre_value(mix[(i64)blockIdx.x * HC_MIXES + threadIdx.x], scale[0], base[threadIdx.x], hc_eps);
   __syncthreads();
-  rmsnorm_row<true>(x, pre, HC_N, w, out, xq, sx, D, eps);
+  norm_row(in, pre, w, out, xq, sx, D, eps);
 }

@@ -60,12 +60,21 @@ extern "C" __global__ void __launch_bounds__(32) router_select(
   pdl_begin();
   __shared__ float biased[ROUTER_MAX_EXPERTS];
   __shared__ int pick[ROUTER_MAX_TOPK];
+  __shared__ float picked[ROUTER_MAX_TOPK];  // the scores of the picks
   const int tok = blockIdx.x, lane = threadIdx.x;
   const float* s = scores + (i64)tok * experts;
   if (tid2eid) {
-    if (lane < topk) pick[lane] = tid2eid[ids[tok] * topk + lane];
+    if (lane < topk) {
+      pick[lane] = tid2eid[ids[tok] * topk + lane];
+      picked[lane] = s[pick[lane]];
+    }
   } else {
-    for (int e = lane; e < experts; e += 32) biased[e] = bias ? s[e] + bias[e] : s[e];
+    // Unrolled: the lane's loads are in flight together (experts <= 512: 16 a lane).
+#pragma unroll
+    for (int i = 0; i < ROUTER_MAX_EXPERTS / 32; ++i) {
+      const int e = lane + 32 * i;
+      if (e < experts) biased[e] = bias ? s[e] + bias[e] : s[e];
+    }
     __syncwarp();
     for (int r = 0; r < topk; ++r) {
       float best = __int_as_float(0xff800000);
@@ -84,15 +93,16 @@ extern "C" __global__ void __launch_bounds__(32) router_select(
       }
       __syncwarp();
     }
+    if (lane < topk) picked[lane] = s[pick[lane]];  // the lanes' loads in flight together
   }
   __syncwarp();
   if (lane == 0) {
     double sum = 0.0;
-    for (int r = 0; r < topk; ++r) sum += (double)s[pick[r]];
+    for (int r = 0; r < topk; ++r) sum += (double)picked[r];
     const float denom = (float)(sum + route_eps);
     for (int r = 0; r < topk; ++r) {
       idx[tok * topk + r] = pick[r];
-      weights[tok * topk + r] = s[pick[r]] / denom * route_scale;
+      weights[tok * topk + r] = picked[r] / denom * route_scale;
     }
   }
 }

@@ -256,11 +256,14 @@ extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine(const __gr
   pdl_begin();
   const int h = blockIdx.x, row = blockIdx.y, d = 4 * threadIdx.x;
   const float* ml = p.part_ml + (i64)row * p.splits * HEADS * 2;
+  // Unrolled so that several splits' loads are in flight at once (same order of the sums).
   float mx = NEG_INF;
+#pragma unroll 8
   for (int s = 0; s < p.splits; ++s) mx = fmaxf(mx, ml[(s * HEADS + h) * 2]);
   const float ref = mx == NEG_INF ? 0.0f : mx;
   float l = 0.0f;
   float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
   for (int s = 0; s < p.splits; ++s) {
     const float w = expf(ml[(s * HEADS + h) * 2] - ref);
     l += ml[(s * HEADS + h) * 2 + 1] * w;

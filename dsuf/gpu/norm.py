@@ -13,6 +13,7 @@ from .linear import BLOCK
 from .runtime import get_kernel, ptr
 
 MAX_DIM = 8192
+HC_STREAMS = 4  # the mHC streams the collapse kernels take (HC_N in mhc.cuh)
 
 
 def _check_dim(d: int) -> None:
@@ -91,11 +92,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: tup
 
 
 def hc_collapse_rms_norm(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None, eps: float, fp8_out: Fp8Rows | None = None) -> torch.Tensor:
-    """rms_norm(hc_collapse(x, pre)): the mHC streams x bf16 [T, n, D] mixed with pre float32
-    [T, n] into bf16 [T, D], then normalised; also into fp8_out (fp8_rows) if given."""
-    if x.dtype != torch.bfloat16 or x.dim() != 3 or tuple(pre.shape) != tuple(x.shape[:2]):
-        raise ValueError(f"hc_collapse_rms_norm: need bf16 [T, n, D] and pre [T, n], got {x.dtype} {tuple(x.shape)}, {tuple(pre.shape)}")
-    t, n, d = x.shape
+    """rms_norm(hc_collapse(x, pre)): the mHC streams x bf16 [T, 4, D] mixed with pre float32
+    [T, 4] into bf16 [T, D], then normalised; also into fp8_out (fp8_rows) if given."""
+    if x.dtype != torch.bfloat16 or x.dim() != 3 or x.shape[1] != HC_STREAMS or tuple(pre.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"hc_collapse_rms_norm: need bf16 [T, {HC_STREAMS}, D] and pre [T, {HC_STREAMS}], got {x.dtype} {tuple(x.shape)}, {tuple(pre.shape)}")
+    t, _, d = x.shape
     _check_dim(d)
     x = x.contiguous()
     pre = pre.float().contiguous()
@@ -104,7 +105,7 @@ def hc_collapse_rms_norm(x: torch.Tensor, pre: torch.Tensor, weight: torch.Tenso
         get_kernel("rmsnorm", "hc_collapse_rmsnorm_bf16", x.device)(
             (t, 1, 1),
             256,
-            [ptr(x), ptr(pre), ctypes.c_int(n), ptr(_weight(weight, d)), ptr(out), *_fp8_ptrs(fp8_out, t, d), ctypes.c_int(d), ctypes.c_float(eps)],
+            [ptr(x), ptr(pre), ptr(_weight(weight, d)), ptr(out), *_fp8_ptrs(fp8_out, t, d), ctypes.c_int(d), ctypes.c_float(eps)],
         )
     return out
 
