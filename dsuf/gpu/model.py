@@ -178,6 +178,24 @@ class GpuModel:
             self.free_slots.append(seq.slot)
             seq.slot = 0
 
+    # ---- taking a draft's row back (speculative decoding) ------------------------------------------
+
+    def compressor_states(self, slot: int) -> list[torch.Tensor]:
+        """A copy of the compressor states of `slot`: what a row that completes a compressor group
+        rewrites beyond its own position (its window entry, compressed entry and index key are
+        written again when the position is fed again)."""
+        return [t[slot].clone() for cache in self.caches for t in (cache.comp_kv, cache.comp_score, cache.idx_kv, cache.idx_score) if t is not None]
+
+    def take_back(self, seq: GpuSequence, rows: int, states: list[torch.Tensor]) -> None:
+        """Forget the last `rows` rows fed to `seq` (a rejected draft's), whose compressor states
+        were copied by compressor_states before they were fed."""
+        if not 0 < rows <= seq.pos:
+            raise ValueError(f"cannot take back {rows} rows of a sequence at position {seq.pos}")
+        live = [t for cache in self.caches for t in (cache.comp_kv, cache.comp_score, cache.idx_kv, cache.idx_score) if t is not None]
+        for t, saved in zip(live, states, strict=True):
+            t[seq.slot].copy_(saved)
+        seq.pos -= rows
+
     # ---- the step ---------------------------------------------------------------------------------
 
     def _indices(self, slots: torch.Tensor, pos: torch.Tensor, chunk_start: int | None = None) -> dict[int, StepIndex]:

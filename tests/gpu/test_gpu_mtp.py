@@ -72,3 +72,24 @@ def test_the_mtp_layer_drafts_as_the_reference_does(models, rows_a_call):
     assert error <= max(2 * noise, 1e-2)
     agree = (got.argmax(-1).cpu() == want.argmax(-1).cpu()).float().mean()
     print(f"  the same draft token at {100 * float(agree):.0f} % of the rows")
+
+
+def test_a_draft_row_taken_back_leaves_no_trace(models):
+    """A rejected draft at a position that completes a CSA compressor group (the case that
+    rewrites more than the row's own entries) is taken back: the sequence then computes exactly
+    what one that never saw the draft computes."""
+    c, gpu, _, _ = models
+    tokens = torch.randint(0, c.vocab_size, (44,))
+    prefix, rest = tokens[:39], tokens[39:]  # the draft would sit at position 39: (39 + 1) % 4 == 0
+    drafted, plain = gpu.new_state(), gpu.new_state()
+    gpu.forward_batch([(prefix, drafted)])
+    states = gpu.compressor_states(drafted.slot)
+    gpu.forward_batch([(torch.tensor([(int(rest[0]) + 1) % c.vocab_size]), drafted)])  # the wrong draft
+    gpu.take_back(drafted, 1, states)
+    gpu.forward_batch([(prefix, plain)])
+    for t in rest:
+        a = gpu.forward_batch([(t.view(1), drafted)])[0]
+        b = gpu.forward_batch([(t.view(1), plain)])[0]
+        assert torch.equal(a, b)
+    gpu.free(drafted)
+    gpu.free(plain)
