@@ -334,7 +334,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --model: also time one prompt of each size (at the smallest context that holds it)")
     p.add_argument("--tokens-per-seq", type=int, default=1, metavar="N",
                    help="with --model: every sequence feeds N consecutive tokens a step (the verify step of speculative decoding "
-                        "with N - 1 draft tokens; tokens/s then counts all of them as accepted)")
+                        "with N - 1 draft tokens; tokens/s then counts all of them as accepted), and the MTP layer's draft is timed too")
     p.add_argument("--tp", type=int, default=1, help="with --model: tensor-parallel over this many GPUs (one process each)")
     p.add_argument("--collective", choices=("ipc", "nccl"), default="ipc", help="with --tp: the all-reduce and all-gather (default ipc)")
 
@@ -355,7 +355,8 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
     rank, world = (tp.rank, tp.world) if tp else (0, 1)
     say = print if rank == 0 else (lambda *a, **k: None)
     n = args.layers
-    small = dataclasses.replace(c, n_layers=n, compress_ratios=c.compress_ratios[:n], n_mtp_layers=0)
+    drafting = args.tokens_per_seq > 1 and c.n_mtp_layers > 0  # then the MTP layer is built and its draft timed too
+    small = dataclasses.replace(c, n_layers=n, compress_ratios=c.compress_ratios[:n], n_mtp_layers=c.n_mtp_layers if drafting else 0)
     say(f"whole model: layers 0..{n - 1} ({', '.join(layer_kind(r) for r in small.compress_ratios)}) + embedding + head"
         + (f", tensor-parallel over {world} GPUs ({args.collective} collectives)" if tp else ""), flush=True)
     rows_out, prefills = [], []
@@ -385,6 +386,11 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
             rows_out.append((batch, ctx, step_us, nbytes, floor, coll))
             say(f"  batch {batch}, context {ctx}: {step_us:.1f} µs a step = {fed * 1e6 / step_us:.0f} tokens/s "
                 f"({nbytes / 1e6:.0f} MB a GPU, floor {floor:.1f} µs, {step_us / floor:.1f}x; collectives {coll:.0f} µs)", flush=True)
+            if drafting:
+                d_us = draft_us(model, batch, k, ctx, args.reps)
+                projected = ", ".join(f"{a:.0%}: {batch * (1 + (k - 1) * a) * 1e6 / (step_us + d_us):.0f}" for a in (0.6, 0.8, 0.9))
+                say(f"    MTP draft of {batch * k} rows: {d_us:.1f} µs; tokens/s a step plus a draft would give if this share of "
+                    f"drafts were accepted (k - 1 = {k - 1} a step; random weights accept none): {projected}", flush=True)
         for n_tokens in prompts_for(args.prefill, args.context, ctx):
             seconds = prefill_seconds(model, n_tokens, c.vocab_size)
             if args.profile and not prefills:
@@ -413,6 +419,18 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
         for n_tokens, ctx, seconds in prefills:
             say(f"| {n_tokens} | {ctx} | {seconds:.2f} | {n_tokens / seconds:.0f} |")
     return 0
+
+
+def draft_us(model, batch: int, k: int, ctx: int, reps: int) -> float:
+    """One MTP draft (GpuModel.draft) of the rows a verify step of k tokens a sequence keeps at
+    most, as a CUDA graph (every rank runs it: the MTP layer's collectives)."""
+    c, device = model.config, model.device
+    streams = torch.randn(batch * k, c.hc_mult, c.dim, device=device).to(torch.bfloat16)
+    ids = torch.randint(0, c.vocab_size, (batch * k,), device=device)
+    slots = torch.arange(1, batch + 1, device=device).repeat_interleave(k)
+    pos = (ctx - k + torch.arange(k, device=device)).repeat(batch)
+    model.draft(streams, ids, slots, pos)  # kernels loaded, buffers grown
+    return replay_us(graph_of_calls([lambda: model.draft(streams, ids, slots, pos)]), reps)
 
 
 def prompts_for(sizes: list[int], contexts: list[int], ctx: int) -> list[int]:

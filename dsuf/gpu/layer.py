@@ -221,9 +221,13 @@ class DecodeLayer:
     rotation of queries. With `tp`, `t` holds this rank's shard (tp.shard) and the attention and
     MoE outputs are all-reduced."""
 
-    def __init__(self, c: ModelConfig, layer: int, t: dict[str, torch.Tensor], device: torch.device, tp: TensorParallel | None = None) -> None:
-        p, a, f = f"layers.{layer}", f"layers.{layer}.attn", f"layers.{layer}.ffn"
-        self.c, self.layer, self.ratio, self.tp = c, layer, c.compress_ratios[layer], tp
+    def __init__(self, c: ModelConfig, layer: int, t: dict[str, torch.Tensor], device: torch.device, tp: TensorParallel | None = None,
+                 prefix: str | None = None) -> None:
+        """prefix: the block's checkpoint prefix where it is not a backbone layer's (the MTP
+        layer's "mtp.0": a window-only block, ids `layer` = n_layers in the buffer keys)."""
+        p = prefix or f"layers.{layer}"
+        a, f = f"{p}.attn", f"{p}.ffn"
+        self.c, self.layer, self.ratio, self.tp = c, layer, 0 if prefix else c.compress_ratios[layer], tp
         self.heads = c.n_heads // (tp.world if tp else 1)  # this rank's query heads
         self.hash = c.is_hash_layer(layer)
         self.hc_attn, self.hc_ffn = (

@@ -30,22 +30,25 @@ from dsuf.model.state import CompressorState, SequenceState, StateError
 from .attention import pack_kv, unpack_kv
 from .indexer import pack_index_keys, unpack_index_keys
 from .layer import PREFILL_CHUNK, DecodeLayer, LayerCache, StepIndex, has_mm_out_dtype, ring_size, step_index
+from .linear import Fp8Linear
 from .moe import GROUPED_MIN_TOKENS
 from .norm import rms_norm
 from .tp import TensorParallel, check_tp
 
 # Where the model's tensors come from: source(None) -> the embedding, the head and their norms,
-# source(i) -> layer i's (checkpoint names; a tensor-parallel rank's shard of them, see tp.shard).
-TensorSource = Callable[[int | None], dict[str, torch.Tensor]]
+# source(i) -> layer i's, source(MTP) -> the MTP layer's (checkpoint names; a tensor-parallel
+# rank's shard of them, see tp.shard).
+TensorSource = Callable[[int | str | None], dict[str, torch.Tensor]]
 HEAD_PREFIXES = ("embed.", "head.", "norm.", "hc_head_")
+MTP = "mtp.0"
 
 
 def taking_from(tensors: dict[str, torch.Tensor]) -> TensorSource:
     """A source that takes the tensors out of a dict as the model asks for them (so a converted
     layer's checkpoint tensors can be freed before the next is converted)."""
 
-    def take(layer: int | None) -> dict[str, torch.Tensor]:
-        prefixes = HEAD_PREFIXES if layer is None else (f"layers.{layer}.",)
+    def take(layer: int | str | None) -> dict[str, torch.Tensor]:
+        prefixes = HEAD_PREFIXES if layer is None else (f"{layer}.",) if isinstance(layer, str) else (f"layers.{layer}.",)
         return {k: tensors.pop(k) for k in [k for k in tensors if k.startswith(prefixes)]}
 
     return take
@@ -63,6 +66,29 @@ def step_rows(max_batch: int) -> int:
 
 # What the kernels are written for: V4-Flash's layer shapes (any number of layers, experts, vocabulary).
 KERNEL_SHAPES = {"head_dim": 512, "n_heads": 64, "rope_head_dim": 64, "index_n_heads": 64, "index_head_dim": 128, "hc_mult": 4}
+
+
+class Mtp:
+    """The NextN MTP layer on the GPU (v4.MTPLayer): e = enorm(embed(next token)), h = hnorm of each
+    stream, x = e_proj(e) + h_proj(h) on every stream, a window-only block, then its own mHC head
+    and norm before the model's head."""
+
+    def __init__(self, c: ModelConfig, t: dict[str, torch.Tensor], device: torch.device, tp: TensorParallel | None) -> None:
+        p = MTP
+        self.c = c
+        self.e_proj, self.h_proj = (Fp8Linear(t[f"{p}.{n}.weight"], t[f"{p}.{n}.scale"]) for n in ("e_proj", "h_proj"))
+        self.enorm, self.hnorm, self.norm = (t[f"{p}.{n}.weight"].float() for n in ("enorm", "hnorm", "norm"))
+        self.hc_fn, self.hc_base, self.hc_scale = (t[f"{p}.hc_head_{k}"].float() for k in ("fn", "base", "scale"))
+        self.layer = DecodeLayer(c, c.n_layers, t, device, tp, prefix=p)
+        self.cache: LayerCache | None = None  # made with the model's caches
+
+    def inputs(self, embedded: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """The block's input streams bf16 [B, hc, D] from the next tokens' embeddings [B, D] and
+        the main model's final streams [B, hc, D]: bf16 projections added in bf16, as the reference."""
+        b, hc, d = streams.shape
+        e = self.e_proj(rms_norm(embedded, self.enorm, self.c.norm_eps))
+        h = self.h_proj(rms_norm(streams.reshape(b * hc, d).contiguous(), self.hnorm, self.c.norm_eps)).view(b, hc, d)
+        return (e.unsqueeze(1) + h).contiguous()
 
 
 def check_kernel_shapes(c: ModelConfig) -> None:
@@ -84,7 +110,7 @@ class GpuSequence:
 
 
 class GpuModel:
-    """Takes the tensors it uses (checkpoint names; the MTP layers are not run yet) from `tensors`
+    """Takes the tensors it uses (checkpoint names; the MTP layer's too, which `draft` runs) from `tensors`
     (a dict, emptied as they are converted, or a TensorSource). With `tp`, this is one rank of a
     tensor-parallel model: every rank is built, and steps, together."""
 
@@ -109,6 +135,7 @@ class GpuModel:
         # Layer by layer, dropping each layer's checkpoint tensors once converted, so the weights
         # are never all held twice (the experts' kernel layout is a copy).
         self.layers = [DecodeLayer(c, i, take(i), device, tp) for i in range(c.n_layers)]
+        self.mtp = Mtp(c, take(MTP), device, tp) if c.n_mtp_layers and c.dspark is None else None
         rows = step_rows(max_batch)
         for layer in self.layers:  # every batch the MoE kernels may take: the step's rows, or a prefill chunk short of the grouped path
             layer.moe.reserve(max(rows, GROUPED_MIN_TOKENS - 1) * c.n_activated_experts)
@@ -116,6 +143,8 @@ class GpuModel:
         # A prefill chunk: as long as the index scores of its rows against every key allow.
         self.prefill_rows = max(PREFILL_CHUNK, min(PREFILL_MAX, max_context, INDEX_SCORE_BYTES // (4 * max(1, max_context // 4))))
         self.caches = [LayerCache.new(c, layer.ratio, slots, max_context, device, scratch=self.prefill_rows) for layer in self.layers]
+        if self.mtp:
+            self.mtp.cache = LayerCache.new(c, 0, slots, max_context, device)
         self.free_slots = list(range(slots - 1, 0, -1))
         self.buckets = [b for b in BUCKETS if b < rows] + [rows]
         self.dev_in = torch.zeros((3, rows), dtype=torch.int64, device=device)  # ids, slots, positions
@@ -148,6 +177,24 @@ class GpuModel:
         if seq.slot:
             self.free_slots.append(seq.slot)
             seq.slot = 0
+
+    # ---- taking a draft's row back (speculative decoding) ------------------------------------------
+
+    def compressor_states(self, slot: int) -> list[torch.Tensor]:
+        """A copy of the compressor states of `slot`: what a row that completes a compressor group
+        rewrites beyond its own position (its window entry, compressed entry and index key are
+        written again when the position is fed again)."""
+        return [t[slot].clone() for cache in self.caches for t in (cache.comp_kv, cache.comp_score, cache.idx_kv, cache.idx_score) if t is not None]
+
+    def take_back(self, seq: GpuSequence, rows: int, states: list[torch.Tensor]) -> None:
+        """Forget the last `rows` rows fed to `seq` (a rejected draft's), whose compressor states
+        were copied by compressor_states before they were fed."""
+        if not 0 < rows <= seq.pos:
+            raise ValueError(f"cannot take back {rows} rows of a sequence at position {seq.pos}")
+        live = [t for cache in self.caches for t in (cache.comp_kv, cache.comp_score, cache.idx_kv, cache.idx_score) if t is not None]
+        for t, saved in zip(live, states, strict=True):
+            t[seq.slot].copy_(saved)
+        seq.pos -= rows
 
     # ---- the step ---------------------------------------------------------------------------------
 
@@ -188,18 +235,35 @@ class GpuModel:
             seq.pos += n
         return self._logits(x[-1:])
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The head: the streams collapsed with sigmoid weights (HyperHead), RMSNorm, the vocabulary projection."""
+    def _logits(self, x: torch.Tensor, head: Mtp | None = None) -> torch.Tensor:
+        """The head: the streams collapsed with sigmoid weights (HyperHead), RMSNorm, the vocabulary
+        projection; with `head`, the MTP layer's own collapse and norm before the shared projection."""
         c = self.config
+        fn, base, scale, norm = (head.hc_fn, head.hc_base, head.hc_scale, head.norm) if head else (self.hc_fn, self.hc_base, self.hc_scale, self.norm)
         flat = x.flatten(1).float()
-        mix = (flat @ self.hc_fn.t()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + c.norm_eps)
-        pre = torch.sigmoid(mix * self.hc_scale[0] + self.hc_base) + c.hc_eps
-        h = rms_norm((pre.unsqueeze(-1) * x.float()).sum(1).to(torch.bfloat16), self.norm, c.norm_eps)
+        mix = (flat @ fn.t()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + c.norm_eps)
+        pre = torch.sigmoid(mix * scale[0] + base) + c.hc_eps
+        h = rms_norm((pre.unsqueeze(-1) * x.float()).sum(1).to(torch.bfloat16), norm, c.norm_eps)
         if self.head.dtype == torch.float32:
             logits = h.float() @ self.head.t()
         else:
             logits = torch.mm(h, self.head.t(), out_dtype=torch.float32)
         return self.tp.collective.all_gather(logits) if self.tp else logits  # a rank holds a slice of the vocabulary
+
+    def draft(self, streams: torch.Tensor, next_ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's draft logits float32 [B, vocab] from the main model's final streams
+        bf16 [B, hc, D] of rows at positions pos (int64 [B]) in slots (int64 [B]), each with the
+        token chosen after it (int64 [B]): each row predicts the token after that one. Rows of one
+        slot side by side in position order, as in a step; the MTP layer keeps its own window."""
+        if self.mtp is None:
+            raise ValueError(f"{self.config.name} has no MTP layer")
+        x = self.mtp.inputs(self.embed[next_ids], streams)
+        m = self.mtp
+        index = step_index(self.config, 0, 0, m.layer.rope, slots, pos)
+        buf = {f"x{m.layer.layer}": x, "ids": next_ids, "slots": slots, "pos": pos}
+        for stage in m.layer.stages(m.cache, index):
+            stage.run(buf)
+        return self._logits(buf[f"x{m.layer.layer + 1}"], m)
 
     def step(self, rows: list[tuple[int, int, int]], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Feed one token to each (slot, position, token id); logits float32 [len(rows), vocab] on

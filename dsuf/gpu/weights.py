@@ -81,8 +81,28 @@ def _fp4_stack(experts: int, n: int, k: int, device: torch.device) -> tuple[torc
 def layer_tensors(c: ModelConfig, layer: int, device: torch.device) -> dict[str, torch.Tensor]:
     """One layer's tensors under their checkpoint names (routed experts are views of stacked
     [E, ...] tensors, which `stacked_experts` returns)."""
-    p, t = f"layers.{layer}", {}
-    ratio, d = c.compress_ratios[layer], c.dim
+    return block_tensors(c, f"layers.{layer}", c.compress_ratios[layer], c.is_hash_layer(layer), device)
+
+
+def mtp_tensors(c: ModelConfig, device: torch.device, stage: int = 0) -> dict[str, torch.Tensor]:
+    """The NextN MTP layer's tensors (checkpoint.mtp_schema): a window-only block, its input
+    projections and norms, and its own mHC head."""
+    p, d = f"mtp.{stage}", c.dim
+    t = block_tensors(c, p, 0, False, device)
+    for name in ("e_proj", "h_proj"):
+        t[f"{p}.{name}.weight"], t[f"{p}.{name}.scale"] = _fp8(d, d, device)
+    for name in ("enorm", "hnorm", "norm"):
+        t[f"{p}.{name}.weight"] = (1 + 0.1 * torch.randn(d, device=device)).to(torch.bfloat16)
+    t[f"{p}.hc_head_fn"] = torch.randn(c.hc_mult, c.hc_mult * d, device=device) * (c.hc_mult * d) ** -0.5
+    t[f"{p}.hc_head_base"] = torch.randn(c.hc_mult, device=device) * 0.5
+    t[f"{p}.hc_head_scale"] = torch.rand(1, device=device) + 0.5
+    return t
+
+
+def block_tensors(c: ModelConfig, p: str, ratio: int, hashed: bool, device: torch.device) -> dict[str, torch.Tensor]:
+    """A block's tensors under the checkpoint prefix p (a backbone layer's or the MTP layer's)."""
+    t: dict[str, torch.Tensor] = {}
+    d = c.dim
 
     def fp8(name: str, n: int, k: int) -> None:
         t[f"{name}.weight"], t[f"{name}.scale"] = _fp8(n, k, device)
@@ -124,7 +144,7 @@ def layer_tensors(c: ModelConfig, layer: int, device: torch.device) -> dict[str,
         compressor(f"{a}.indexer.compressor", 4, c.index_head_dim)
     f = f"{p}.ffn"
     bf16(f"{f}.gate", c.n_routed_experts, d)
-    if c.is_hash_layer(layer):
+    if hashed:
         t[f"{f}.gate.tid2eid"] = torch.rand(c.vocab_size, c.n_routed_experts, device=device).argsort(-1)[:, : c.n_activated_experts].contiguous()
     else:
         t[f"{f}.gate.bias"] = 0.1 * torch.randn(c.n_routed_experts, device=device)
@@ -154,11 +174,13 @@ def head_tensors(c: ModelConfig, device: torch.device) -> dict[str, torch.Tensor
 
 
 def model_tensors(c: ModelConfig, device: torch.device) -> dict[str, torch.Tensor]:
-    """The whole model's tensors at once, without the MTP layers (the GPU path does not run them
-    yet), from the global random generator."""
+    """The whole model's tensors at once (the MTP layer's too, where the config has one), from the
+    global random generator."""
     t = head_tensors(c, device)
     for i in range(c.n_layers):
         t |= layer_tensors(c, i, device)
+    if c.n_mtp_layers and c.dspark is None:
+        t |= mtp_tensors(c, device)
     return t
 
 
@@ -167,9 +189,10 @@ def random_source(c: ModelConfig, device: torch.device, seed: int, rank: int = 0
     each part from its own seed: every rank of a tensor-parallel model makes the same whole part
     and keeps its shard, so any number of ranks holds the same model."""
 
-    def take(layer: int | None) -> dict[str, torch.Tensor]:
-        torch.manual_seed(seed * 1_000_003 + (0 if layer is None else layer + 1))
-        t = head_tensors(c, device) if layer is None else layer_tensors(c, layer, device)
+    def take(layer: int | str | None) -> dict[str, torch.Tensor]:
+        mtp = isinstance(layer, str)  # the MTP layer ("mtp.0"), made after the backbone's
+        torch.manual_seed(seed * 1_000_003 + (0 if layer is None else c.n_layers + 1 if mtp else layer + 1))
+        t = head_tensors(c, device) if layer is None else mtp_tensors(c, device) if mtp else layer_tensors(c, layer, device)
         # The routed experts as the stacked tensors only (the per-expert views are for the reference model).
         return shard({k: v for k, v in t.items() if ".experts." not in k or ".experts.stacked." in k}, rank, world)
 
