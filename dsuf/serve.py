@@ -94,7 +94,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt("kv-fetch-timeout", 2.0, "seconds a cache transfer may stall before the turn is recomputed instead", float)
     p.add_argument("--speculative", action="store_true", default=env("DSUF_SPECULATIVE") == "1",
                    help="decode with the MTP layer's drafts, each verified with the next token: the same tokens, fewer "
-                        "steps where drafts are accepted (the CPU reference path so far; env DSUF_SPECULATIVE=1)")
+                        "steps where drafts are accepted (env DSUF_SPECULATIVE=1)")
     p.add_argument("--test-hooks", action="store_true", default=env("DSUF_TEST_HOOKS") == "1",
                    help="accept dsuf_forced_tokens in requests, for tests (env DSUF_TEST_HOOKS=1)")
 
@@ -111,8 +111,6 @@ async def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"dsuf: unknown --device {args.device!r}; use cpu, or --gpus for the GPU path")
     if args.random_weights and not gpus:
         raise SystemExit("dsuf: --random-weights runs on the GPU path: add --gpus")
-    if args.speculative and gpus:
-        raise SystemExit("dsuf: --speculative runs on the CPU reference path so far, not with --gpus")
     if args.random_weights and args.ckpt:
         raise SystemExit("dsuf: give --ckpt or --random-weights, not both")
     if args.random_weights:

@@ -56,6 +56,41 @@ def test_accepted_and_rejected_drafts_both_keep_greedy_tokens(model, monkeypatch
         assert got.accepted == 0 and got.drafted == len(want) - 1
 
 
+def test_a_draft_needs_only_the_last_window_of_rows(model):
+    """The Drafter feeds the MTP layer a long feed's last `window` rows only (a window-only block
+    whose cache rows depend on their own input alone): the same draft, and the same MTP window,
+    as feeding it every row."""
+    import copy
+
+    from dsuf.model.speculative import Drafter
+
+    w = model.config.window_size
+    tokens = torch.randint(0, model.config.vocab_size, (3 * w + 1,))
+    state = model.new_state(EXACT)
+    logits, streams = model.forward(tokens, state, EXACT, return_streams=True)
+    chosen = int(logits[-1].argmax())
+    every = copy.deepcopy(state)
+    want = int(model.mtp_forward(streams, torch.tensor(tokens[1:].tolist() + [chosen]), 0, every, EXACT)[-1].argmax())
+    got = Drafter(model, EXACT).fed(streams, 0, tokens.tolist(), state, [chosen])
+    assert got == want and torch.equal(state.mtp[0].window, every.mtp[0].window)
+
+
+def test_every_rank_speculates_alike_and_only_the_leader_reports(model):
+    """The ranks of a tensor-parallel model each run the speculative step (their MTP layers meet in
+    collectives): a rank that is not the leader makes the same choices and reports none."""
+    from dsuf.ipc.messages import SeqWork, Step
+    from dsuf.worker.main import Worker
+    from dsuf.worker.sampling import SamplingParams
+
+    leader, other = Worker(model, EXACT, "", speculative=True), Worker(model, EXACT, "", leader=False, speculative=True)
+    work = SeqWork(1, PROMPT.tolist(), sample=True, params=SamplingParams(temperature=0.8, seed=3))
+    for step in range(1, 12):
+        (mine,), (theirs,) = (w.run_step(Step(step, [work])).outputs for w in (leader, other))
+        assert mine.choice is not None and theirs.choice is None and theirs.more == [] and theirs.error is None
+        assert leader.states[1].pos == other.states[1].pos and leader.drafts == other.drafts
+        work = SeqWork(1, [(mine.more or [mine.choice])[-1].token], sample=True)
+
+
 def test_generate_speculative_prints_greedy_tokens_and_the_acceptance(tiny_dir):
     ckpt = str(tiny_dir("default"))
     args = ["--ckpt", ckpt, "--tokens", ",".join(map(str, PROMPT.tolist())), "--max-new", "8", "--numerics", "exact"]

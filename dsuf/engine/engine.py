@@ -43,7 +43,7 @@ class EngineConfig:
     gpus: tuple[int, ...] = ()  # CUDA devices, one worker (tensor-parallel rank) each; none: the CPU reference path
     random_weights: str | None = None  # GPU path: a config.json whose shapes get random weights
     max_context: int = 0  # GPU path: tokens a sequence may hold (its caches are preallocated)
-    speculative: bool = False  # MTP drafts verified with the next token (the reference path so far)
+    speculative: bool = False  # MTP drafts verified with the next token
 
 
 class WorkerGone(Exception):

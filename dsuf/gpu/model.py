@@ -25,7 +25,8 @@ import torch
 
 from dsuf.model.config import ModelConfig
 from dsuf.model.layers import Numerics
-from dsuf.model.state import CompressorState, SequenceState, StateError
+from dsuf.model.speculative import Verified
+from dsuf.model.state import CompressorState, LayerState, SequenceState, StateError
 
 from .attention import pack_kv, unpack_kv
 from .indexer import pack_index_keys, unpack_index_keys
@@ -103,10 +104,11 @@ def check_kernel_shapes(c: ModelConfig) -> None:
 
 
 class GpuSequence:
-    """A sequence's place in the caches: its slot, and how many tokens it has fed (`pos`)."""
+    """A sequence's place in the caches: its slot, how many tokens it has fed (`pos`), and up to
+    which position the MTP layer's window holds its rows (`mtp_pos`: speculative decoding)."""
 
     def __init__(self, slot: int) -> None:
-        self.slot, self.pos = slot, 0
+        self.slot, self.pos, self.mtp_pos = slot, 0, 0
 
 
 class GpuModel:
@@ -178,23 +180,42 @@ class GpuModel:
             self.free_slots.append(seq.slot)
             seq.slot = 0
 
-    # ---- taking a draft's row back (speculative decoding) ------------------------------------------
+    # ---- speculative decoding (dsuf.model.speculative) -------------------------------------------
 
-    def compressor_states(self, slot: int) -> list[torch.Tensor]:
-        """A copy of the compressor states of `slot`: what a row that completes a compressor group
-        rewrites beyond its own position (its window entry, compressed entry and index key are
-        written again when the position is fed again)."""
-        return [t[slot].clone() for cache in self.caches for t in (cache.comp_kv, cache.comp_score, cache.idx_kv, cache.idx_score) if t is not None]
+    @torch.inference_mode()
+    def verify_batch(self, batch: list[tuple[torch.Tensor, GpuSequence, int | None]], num: Numerics | None = None) -> list[Verified]:
+        """Each sequence's tokens with its draft (where it has one) as one more row of the same
+        step. A draft row leaves its window entry behind, and where it completes a compressor
+        group also that group's entry and the compressor states moved on: the entries are written
+        again when the position is fed again, the states (of the layers whose group it completes)
+        are copied first, as its undo. No draft where the context has no room for it."""
+        batch = [(tokens, seq, draft if seq.pos + len(tokens) < self.max_context else None) for tokens, seq, draft in batch]
+        undo = [self._compressor_states(seq, seq.pos + len(tokens)) if draft is not None else None for tokens, seq, draft in batch]
+        fed = self._feed([(torch.cat((tokens.view(-1), torch.tensor([draft] if draft is not None else [], dtype=tokens.dtype))), seq)
+                          for tokens, seq, draft in batch], last=[1 + (draft is not None) for _, _, draft in batch], tail=self.config.window_size + 1)
+        return [Verified(logits, streams, u) for (logits, streams), u in zip(fed, undo)]
 
-    def take_back(self, seq: GpuSequence, rows: int, states: list[torch.Tensor]) -> None:
-        """Forget the last `rows` rows fed to `seq` (a rejected draft's), whose compressor states
-        were copied by compressor_states before they were fed."""
-        if not 0 < rows <= seq.pos:
-            raise ValueError(f"cannot take back {rows} rows of a sequence at position {seq.pos}")
-        live = [t for cache in self.caches for t in (cache.comp_kv, cache.comp_score, cache.idx_kv, cache.idx_score) if t is not None]
-        for t, saved in zip(live, states, strict=True):
-            t[seq.slot].copy_(saved)
-        seq.pos -= rows
+    def _compressor_states(self, seq: GpuSequence, pos: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(live, copy) of the compressor states of seq's slot that a row at `pos` rewrites beyond
+        its own entries: those of the layers whose group it completes."""
+        return [(t[seq.slot], t[seq.slot].clone()) for layer, cache in zip(self.layers, self.caches) if layer.ratio and (pos + 1) % layer.ratio == 0
+                for t in (cache.comp_kv, cache.comp_score, cache.idx_kv, cache.idx_score) if t is not None]
+
+    @torch.inference_mode()
+    def take_back(self, seq: GpuSequence, undo: list[tuple[torch.Tensor, torch.Tensor]]) -> GpuSequence:
+        """Forget the draft row verify_batch fed last to seq."""
+        for live, saved in undo:
+            live.copy_(saved)
+        seq.pos -= 1
+        return seq
+
+    @torch.inference_mode()
+    def mtp_forward(self, streams: torch.Tensor, next_tokens: torch.Tensor, start: int, seq: GpuSequence, num: Numerics | None = None) -> torch.Tensor:
+        """The reference's mtp_forward for one sequence: draft logits [T, vocab] from its final
+        streams at positions start … start+T−1 and the tokens chosen after them."""
+        pos = torch.arange(start, start + streams.shape[0], device=self.device)
+        seq.mtp_pos = start + streams.shape[0]
+        return self.draft(streams.to(self.device, torch.bfloat16).contiguous(), next_tokens.to(self.device, torch.int64), torch.full_like(pos, seq.slot), pos)
 
     # ---- the step ---------------------------------------------------------------------------------
 
@@ -220,20 +241,26 @@ class GpuModel:
                 del buf[key]
         return buf[f"x{c.n_layers}"]
 
-    def _step(self, rows: int) -> torch.Tensor:
-        """One token for each of the first `rows` rows of the device inputs -> logits float32 [rows, vocab]."""
+    def _step(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token for each of the first `rows` rows of the device inputs -> logits float32
+        [rows, vocab] and the final streams bf16 [rows, hc, D]."""
         ids, slots, pos = self.dev_in[:, :rows]
-        return self._logits(self._layers(ids, slots, pos, self.dev_runs[: rows + 1]))
+        x = self._layers(ids, slots, pos, self.dev_runs[: rows + 1])
+        return self._logits(x), x
 
-    def _prefill(self, seq: GpuSequence, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed a prompt in chunks of up to prefill_rows rows, eagerly -> the logits after its last token."""
+    def _prefill(self, seq: GpuSequence, tokens: torch.Tensor, tail: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed a prompt in chunks of up to prefill_rows rows, eagerly -> the logits after its
+        last token, and the final streams of its last `tail` rows."""
+        kept = torch.empty((0, self.config.hc_mult, self.config.dim), dtype=torch.bfloat16, device=self.device)
         for lo in range(0, len(tokens), self.prefill_rows):
             chunk = tokens[lo : lo + self.prefill_rows].to(self.device, torch.int64)
             n = chunk.shape[0]
             pos = torch.arange(seq.pos, seq.pos + n, device=self.device)
             x = self._layers(chunk, torch.full_like(pos, seq.slot), pos, None, chunk_start=seq.pos)
             seq.pos += n
-        return self._logits(x[-1:])
+            if tail:
+                kept = torch.cat((kept, x[-tail:]))[-tail:]
+        return self._logits(x[-1:]), kept
 
     def _logits(self, x: torch.Tensor, head: Mtp | None = None) -> torch.Tensor:
         """The head: the streams collapsed with sigmoid weights (HyperHead), RMSNorm, the vocabulary
@@ -265,9 +292,10 @@ class GpuModel:
             stage.run(buf)
         return self._logits(buf[f"x{m.layer.layer + 1}"], m)
 
-    def step(self, rows: list[tuple[int, int, int]], ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed one token to each (slot, position, token id); logits float32 [len(rows), vocab] on
-        the device. Rows of one slot must be adjacent, at consecutive positions, at most
+    def step(self, rows: list[tuple[int, int, int]], ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed one token to each (slot, position, token id) -> logits float32 [len(rows), vocab]
+        and final streams bf16 [len(rows), hc, D] on the device (a graph's buffers: read them
+        before the next step). Rows of one slot must be adjacent, at consecutive positions, at most
         PREFILL_CHUNK of them. `ids`: the token ids as an int64 tensor [len(rows)] on the device
         instead (tokens sampled there, not read yet): the step is queued without waiting for them."""
         n = len(rows)
@@ -287,10 +315,11 @@ class GpuModel:
             self.dev_in[0, :n].copy_(ids)
         self.staged.record()
         if not self.graphs:
-            return self._step(bucket)[:n]
-        graph, logits = self._graphs[bucket]
-        graph.replay()
-        return logits[:n]
+            logits, streams = self._step(bucket)
+        else:
+            graph, logits, streams = self._graphs[bucket]
+            graph.replay()
+        return logits[:n], streams[:n]
 
     def _capture(self, bucket: int) -> None:
         """Capture the step of `bucket` rows, after one eager run (it loads every kernel and settles
@@ -300,8 +329,8 @@ class GpuModel:
         self._step(bucket)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step(bucket)
-        self._graphs[bucket] = (graph, logits)
+            logits, streams = self._step(bucket)
+        self._graphs[bucket] = (graph, logits, streams)
 
     @torch.inference_mode()
     def forward_batch(self, batch: list[tuple[torch.Tensor, GpuSequence]], num: Numerics | None = None) -> list[torch.Tensor]:
@@ -309,36 +338,53 @@ class GpuModel:
         after each sequence's last new token (float32 [1, vocab], on the GPU: the worker samples
         there, and only the chosen token crosses to the host). Tokens on the GPU (the worker's
         look-ahead: sampled, not read yet) go one a sequence, for every sequence of the batch."""
-        for tokens, seq in batch:
-            if seq.pos + len(tokens) > self.max_context:
-                raise ValueError(f"a sequence of {seq.pos + len(tokens)} tokens exceeds this worker's context of {self.max_context}")
         if any(tokens.is_cuda for tokens, _ in batch):
             return self._feed_device_tokens(batch)
-        out: list[torch.Tensor | None] = [None] * len(batch)
+        return [logits for logits, _ in self._feed(batch, [1] * len(batch))]
+
+    def _feed(self, batch: list[tuple[torch.Tensor, GpuSequence]], last: list[int], tail: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Feed each sequence its tokens (on the host): prompts of PREFILL_MIN tokens or more
+        through _prefill, the rest in steps. Each sequence's logits after its last last[i] tokens
+        float32 [last[i], vocab], and the final streams of its last `tail` rows bf16 [<= tail, hc, D]."""
+        self._check_room(batch)
+        logits: list[list[torch.Tensor]] = [[] for _ in batch]
+        streams = [torch.empty((0, self.config.hc_mult, self.config.dim), dtype=torch.bfloat16, device=self.device) for _ in batch]
         fed = [0] * len(batch)
         for i, (tokens, seq) in enumerate(batch):
-            if len(tokens) >= PREFILL_MIN:
-                out[i], fed[i] = self._prefill(seq, tokens), len(tokens)
+            if len(tokens) - last[i] + 1 >= PREFILL_MIN:  # up to the first row whose logits are asked for
+                fed[i] = len(tokens) - last[i] + 1
+                row, streams[i] = self._prefill(seq, tokens[: fed[i]], tail)
+                logits[i].append(row)
         capacity = self.buckets[-1]
         while any(f < len(tokens) for f, (tokens, _) in zip(fed, batch)):
             # A step: every sequence's next tokens, up to a chunk each, while the step has room.
-            rows, last = [], []
+            rows, spans = [], []
             for i, (tokens, seq) in enumerate(batch):
                 take = min(len(tokens) - fed[i], PREFILL_CHUNK, capacity - len(rows))
                 if take <= 0:
                     continue
                 rows += [(seq.slot, seq.pos + j, int(tokens[fed[i] + j])) for j in range(take)]
+                spans.append((i, len(rows) - take, fed[i]))
                 fed[i] += take
                 seq.pos += take
-                if fed[i] == len(tokens):
-                    last.append((i, len(rows) - 1))
-            logits = self.step(rows)
-            for i, row in last:
-                out[i] = logits[row : row + 1].clone()  # the graph's output buffer is reused
-        return out  # type: ignore[return-value]
+            out, x = self.step(rows)
+            for i, first, done in spans:  # the graph's output buffers are reused: keep copies
+                n = fed[i] - done
+                wanted = max(first, first + len(batch[i][0]) - last[i] - done)
+                if wanted < first + n:
+                    logits[i].append(out[wanted : first + n].clone())
+                if tail:
+                    streams[i] = torch.cat((streams[i], x[first : first + n]))[-tail:]
+        return [(torch.cat(rows), kept) for rows, kept in zip(logits, streams)]
+
+    def _check_room(self, batch: list[tuple[torch.Tensor, GpuSequence]]) -> None:
+        for tokens, seq in batch:
+            if seq.pos + len(tokens) > self.max_context:
+                raise ValueError(f"a sequence of {seq.pos + len(tokens)} tokens exceeds this worker's context of {self.max_context}")
 
     def _feed_device_tokens(self, batch: list[tuple[torch.Tensor, GpuSequence]]) -> list[torch.Tensor]:
         """One step of one token a sequence, the tokens on the device (the worker's look-ahead)."""
+        self._check_room(batch)
         if not all(tokens.is_cuda and tokens.numel() == 1 for tokens, _ in batch) or len(batch) > self.max_batch:
             raise ValueError(f"tokens on the device go one a sequence, for every sequence of the step (at most {self.max_batch})")
         rows = [(seq.slot, seq.pos, 0) for _, seq in batch]
@@ -355,11 +401,11 @@ class GpuModel:
         c = self.config
         host = SequenceState.new(c, torch.bfloat16)
         host.pos = seq.pos
+        if self.mtp:  # the rows the MTP layer was fed (none without speculative decoding)
+            self._export_window(self.mtp.cache, seq.slot, min(seq.mtp_pos, seq.pos), host.mtp[0])
         for layer, cache, st in zip(self.layers, self.caches, host.layers):
             base = seq.slot * cache.stride + ring_size(c)  # the compressed entries
-            rows, entries = cache.window(c, seq.slot, seq.pos)
-            st.window = torch.zeros(c.window_size, c.head_dim, dtype=torch.bfloat16)  # rows not written yet: zeros, as the reference keeps them
-            st.window[rows] = unpack_kv(cache.pool[entries.long()]).cpu()
+            self._export_window(cache, seq.slot, seq.pos, st)
             if layer.ratio:
                 st.compressed = unpack_kv(cache.pool[base : base + seq.pos // layer.ratio]).cpu()
                 st.compressor = CompressorState(cache.comp_kv[seq.slot].cpu(), cache.comp_score[seq.slot].cpu())
@@ -370,18 +416,18 @@ class GpuModel:
         return host
 
     def import_state(self, host: SequenceState) -> GpuSequence:
-        """A sequence resumed from a reference-layout state (a conversation cache). MTP windows are
-        not kept: the GPU path does not run the MTP layer yet."""
+        """A sequence resumed from a reference-layout state (a conversation cache)."""
         c = self.config
         if host.pos > self.max_context:
             raise StateError(f"a cached prefix of {host.pos} tokens exceeds this worker's context of {self.max_context}")
         seq = self.new_state()
         try:
+            if self.mtp and host.mtp:
+                self._import_window(self.mtp.cache, seq.slot, host.pos, host.mtp[0])
+                seq.mtp_pos = host.pos
             for layer, cache, st in zip(self.layers, self.caches, host.layers):
                 base = seq.slot * cache.stride + ring_size(c)
-                rows, entries = cache.window(c, seq.slot, host.pos)
-                if len(rows):
-                    pack_kv(st.window[rows].to(self.device, torch.bfloat16), cache.pool, entries)
+                self._import_window(cache, seq.slot, host.pos, st)
                 if layer.ratio:
                     n = st.compressed.shape[0]
                     if n:
@@ -398,6 +444,18 @@ class GpuModel:
             raise
         seq.pos = host.pos
         return seq
+
+    def _export_window(self, cache: LayerCache, slot: int, pos: int, st: LayerState) -> None:
+        """st.window from the slot's window entries of the positions before pos;
+        rows not written yet: zeros, as the reference keeps them."""
+        rows, entries = cache.window(self.config, slot, pos)
+        st.window = torch.zeros(self.config.window_size, self.config.head_dim, dtype=torch.bfloat16)
+        st.window[rows] = unpack_kv(cache.pool[entries.long()]).cpu()
+
+    def _import_window(self, cache: LayerCache, slot: int, pos: int, st: LayerState) -> None:
+        rows, entries = cache.window(self.config, slot, pos)
+        if len(rows):
+            pack_kv(st.window[rows].to(self.device, torch.bfloat16), cache.pool, entries)
 
     def _entries(self, first: int, n: int) -> torch.Tensor:
         return torch.arange(first, first + n, dtype=torch.int32, device=self.device)

@@ -9,12 +9,21 @@ be rewritten anyway, but a row that completes a compressor group rewrites the co
 Every token is chosen from the main model's logits after the same prefix, in the same order, so
 the tokens (greedy or sampled with a seed) are those of decoding without drafts.
 
+A model that serves speculatively has `verify_batch` (each sequence's tokens, then its draft, fed
+in one call: the reference feeds the drafts in a second forward after a copy of their states, the
+GPU path feeds them as one more row of the same step) and `take_back` (forget a rejected draft's
+row), besides `mtp_forward` for the drafts.
+
 `Drafter` keeps one sequence's MTP inputs: the MTP layer reads each main row's final streams
 with the token chosen after it, so a row whose next token is not known yet (a prompt chunk's
-last) waits for it.
+last) waits for it. The MTP block attends within a window only and its cache entries depend on
+its input rows alone, so only a feed's last `window` rows reach any later draft: it drafts from
+those (a long prompt's streams need not be kept).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +37,19 @@ def check_speculation(model) -> None:
         raise ValueError("speculative decoding needs the model's MTP layer (V4's num_nextn_predict_layers)")
 
 
+@dataclass
+class Verified:
+    """One sequence's rows of a verify_batch: logits float32 [1, vocab] after its last token, and
+    [2, vocab] with a draft (then also after the draft); the final streams [R, hc, D] of its last R
+    rows (the draft's included; all of them, or at least the model's window and one more);
+    `undo`: what
+    take_back needs to forget the draft's row (None without a draft)."""
+
+    logits: torch.Tensor
+    streams: torch.Tensor
+    undo: object = None
+
+
 class Drafter:
     """The MTP drafts of one sequence."""
 
@@ -37,10 +59,13 @@ class Drafter:
         self.waiting: tuple[torch.Tensor, int] | None = None  # a fed row's streams [1, hc, D] and position, its next token unknown
 
     def fed(self, streams: torch.Tensor, start: int, tokens: list[int], state: SequenceState, chosen: list[int]) -> int | None:
-        """Main rows fed at positions start … (their final streams [T, hc, D] and tokens), and the
-        tokens chosen after them (each row's next token past the rows' own: one a row from the
-        last, fewer if not known yet). Returns the draft of the token after the last chosen one,
-        or None when no token is chosen yet."""
+        """Main rows fed at positions start … (their tokens, and the final streams [R, hc, D] of
+        the last R of them), and the tokens chosen after them (each row's next token past the
+        rows' own: one a row from the last, fewer if not known yet). Returns the draft of the
+        token after the last chosen one, or None when no token is chosen yet."""
+        keep = min(streams.shape[0], self.model.config.window_size)  # all a later draft attends to
+        skip = len(tokens) - keep
+        streams, start, tokens = streams[streams.shape[0] - keep :], start + skip, tokens[skip:]
         rows, nexts = [streams], tokens[1:] + chosen
         if self.waiting is not None and self.waiting[1] == start - 1:
             rows.insert(0, self.waiting[0])

@@ -13,6 +13,8 @@ chunks of any size and token-by-token decode are the same computation:
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from . import layers, quant
@@ -37,6 +39,7 @@ from .layers import (
     rms_norm,
     select_topk,
 )
+from .speculative import Verified
 from .state import SequenceState
 
 KV_FP8_BLOCK = 64  # window / compressed KV entries: FP8 on the nope dims, one scale per 64
@@ -219,6 +222,23 @@ class V4Model(ReferenceModel):
             return list(logits.split(1)), x
         logits = self._logits(x, self.hc_head, self.norm)
         return [logits[rows] for rows, _ in segments_of], x
+
+    @torch.inference_mode()
+    def verify_batch(self, batch: list[tuple[torch.Tensor, SequenceState, int | None]], num: Numerics) -> list[Verified]:
+        """Each sequence's tokens, then its draft where it has one (speculative.py): the drafts in
+        a second forward, after a copy of their states (the undo)."""
+        logits, streams = self.forward_batch_streams([(tokens, state) for tokens, state, _ in batch], num)
+        out = [Verified(lg, st) for lg, st in zip(logits, streams)]
+        drafted = [i for i, (_, _, draft) in enumerate(batch) if draft is not None]
+        undo = {i: copy.deepcopy(batch[i][1]) for i in drafted}
+        logits, streams = self.forward_batch_streams([(torch.tensor([batch[i][2]]), batch[i][1]) for i in drafted], num)
+        for i, lg, st in zip(drafted, logits, streams):
+            out[i] = Verified(torch.cat((out[i].logits, lg)), torch.cat((out[i].streams, st)), undo[i])
+        return out
+
+    def take_back(self, state: SequenceState, undo: object) -> SequenceState:
+        """The state to go on with once a verified draft is rejected: the copy from before it."""
+        return undo  # type: ignore[return-value]
 
     @torch.inference_mode()
     def mtp_forward(

@@ -43,8 +43,8 @@ class Worker:
 
     def __init__(self, model, num: Numerics, revision: str, arena: Arena | None = None, leader: bool = True, lookahead: bool = False,
                  speculative: bool = False) -> None:
-        if speculative and (lookahead or not leader):
-            raise ValueError("speculative decoding runs on the reference path (one worker, no look-ahead) for now")
+        if speculative and lookahead:
+            raise ValueError("speculative decoding replaces the look-ahead (each step's tokens are read before the next is fed)")
         if speculative:
             check_speculation(model)
         self.model = model
@@ -122,41 +122,40 @@ class Worker:
         return StepDone(step.step, outputs, time.perf_counter() - began, made, written)
 
     def _speculate(self, runnable: list[SeqWork]) -> list[SeqOutput]:
-        """Run the step with MTP drafts (dsuf.model.speculative): every work's tokens in one
-        batched forward, then each decoding sequence's draft in another, after a copy of its
-        state; a sequence whose sampled token is its draft samples one more from the logits after
-        it, the others go back to the copy. The MTP layer then drafts each sequence's next."""
+        """Run the step with MTP drafts (dsuf.model.speculative): every work's tokens, and each
+        decoding sequence's draft after them, in one verify_batch; a sequence whose sampled token
+        is its draft samples one more from the logits after it, the others take the draft's row
+        back. The MTP layer then drafts each sequence's next. Every rank of a tensor-parallel model
+        runs this alike (the same logits and seeds give the same tokens); only the leader reports."""
         starts = {w.seq: self.states[w.seq].pos for w in runnable}
         fed = [w for w in runnable if w.tokens]
-        outputs: list[SeqOutput] = []
+        drafts = {w.seq: self.drafts.pop(w.seq) for w in fed if w.sample and w.seq in self.drafts}
         try:
-            logits, streams = self.model.forward_batch_streams([(torch.tensor(w.tokens), self.states[w.seq]) for w in fed], self.num)
-            verify = [w for w in fed if w.sample and w.seq in self.drafts]
-            before = {w.seq: copy.deepcopy(self.states[w.seq]) for w in verify}
-            drafted = self.model.forward_batch_streams([(torch.tensor([self.drafts[w.seq]]), self.states[w.seq]) for w in verify], self.num)
+            verified = self.model.verify_batch([(torch.tensor(w.tokens), self.states[w.seq], drafts.get(w.seq)) for w in fed], self.num)
         except Exception as exc:  # states of this batch are no longer trustworthy: end these sequences
             return [self._fail(w.seq, exc) for w in runnable]
-        after = dict(zip((w.seq for w in fed), zip(logits, streams)))
-        draft_rows = dict(zip((w.seq for w in verify), zip(*drafted)))
+        after = dict(zip((w.seq for w in fed), verified))
+        outputs: list[SeqOutput] = []
         for w in runnable:
             seq = w.seq
             try:
                 chosen, tokens = [], list(w.tokens)
-                rows = after[seq][1] if w.tokens else None
+                v = after.get(seq)
+                drafted = v is not None and v.undo is not None  # (a model may feed no draft where there is no room)
+                rows = v.streams[: v.streams.shape[0] - drafted] if v else None
                 if w.sample:
-                    chosen.append(self.samplers[seq].sample(after[seq][0][-1]))
-                    draft = self.drafts.pop(seq, None)
-                    if seq in draft_rows and chosen[0].token == draft:
-                        draft_logits, draft_streams = draft_rows[seq]
-                        chosen.append(self.samplers[seq].sample(draft_logits[-1]))
-                        rows, tokens = torch.cat((rows, draft_streams)), tokens + [draft]
-                    elif seq in draft_rows:  # back to before the draft's row
-                        self.states[seq] = before[seq]
+                    chosen.append(self.samplers[seq].sample(v.logits[0]))
+                    if drafted and chosen[0].token == drafts[seq]:
+                        chosen.append(self.samplers[seq].sample(v.logits[1]))
+                        rows, tokens = v.streams, tokens + [drafts[seq]]
+                    elif drafted:
+                        self.states[seq] = self.model.take_back(self.states[seq], v.undo)
                 if rows is not None:
                     nxt = self.drafters[seq].fed(rows, starts[seq], tokens, self.states[seq], [chosen[-1].token] if chosen else [])
                     if nxt is not None:
                         self.drafts[seq] = nxt
-                outputs.append(SeqOutput(seq, choice=chosen[0] if chosen else None, more=chosen[1:]))
+                report = chosen if self.leader else []
+                outputs.append(SeqOutput(seq, choice=report[0] if report else None, more=report[1:]))
             except Exception as exc:
                 outputs.append(self._fail(seq, exc))
         return outputs
@@ -287,7 +286,7 @@ def serve(args: argparse.Namespace) -> int:
         model = load_worker_model(args)
         num = Numerics.parse(args.numerics)
         worker = Worker(model, num, args.revision, Arena.attach(args.arena) if args.arena else None, leader=args.tp_rank == 0,
-                        lookahead=args.gpu is not None, speculative=args.speculative)
+                        lookahead=args.gpu is not None and not args.speculative, speculative=args.speculative)
         c = model.config
         outbox.send(Ready(model=c.name, vocab_size=c.vocab_size, eos_token_id=c.eos_token_id, load_seconds=time.perf_counter() - began))
     except Exception as exc:
@@ -323,14 +322,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arena", default=None, help="shared-memory name of the front end's snapshot arena")
     parser.add_argument("--revision", default="", help="the checkpoint's revision, written into snapshots")
     parser.add_argument("--threads", type=int, default=max(1, min(4, os.cpu_count() or 1)))
-    parser.add_argument("--speculative", action="store_true", help="reference path: MTP drafts, verified with the next token")
+    parser.add_argument("--speculative", action="store_true", help="MTP drafts, verified with the next token (no look-ahead then)")
     args = parser.parse_args(argv)
     if not args.ckpt and not args.random_weights:
         parser.error("--ckpt or --random-weights is required")
     if args.random_weights and args.gpu is None:
         parser.error("--random-weights needs --gpu")
-    if args.speculative and args.gpu is not None:
-        parser.error("--speculative runs on the reference path so far")
     if args.tp_world > 1 and (args.gpu is None or not args.tp_init or not 0 <= args.tp_rank < args.tp_world):
         parser.error("--tp-world needs --gpu, --tp-init and a --tp-rank below it")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")

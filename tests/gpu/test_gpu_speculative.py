@@ -1,0 +1,126 @@
+"""Speculative decoding on the GPU path. The MTP layer (GpuModel.draft) against the reference's
+mtp_forward: the same draft logits from the same final streams and next tokens, row by row (its
+window filling up) and a chunk of rows at once, within the model's own chaos (random FP8 weights:
+see test_model.py). The verify step (a token and its draft in one step) and taking a rejected
+draft back against decoding without drafts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dsuf.model.config import parse_config
+from dsuf.model.layers import Numerics
+
+NUM = Numerics()
+CHAOS = 0.15  # what this random-weight model moves by when 1 % of its input moves one ulp (test_model.py)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm())
+
+
+@pytest.fixture(scope="module")
+def models():
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    from dsuf.gpu.model import GpuModel
+    from dsuf.gpu.weights import V4_FLASH_CONFIG, model_tensors
+    from dsuf.model.v4 import V4Model
+
+    device = torch.device("cuda")
+    raw = dict(V4_FLASH_CONFIG, num_hidden_layers=2, compress_ratios=[4, 128, 0], n_routed_experts=16, num_hash_layers=1,
+               num_nextn_predict_layers=1)
+    c = parse_config(raw, "v4-flash-2-layers-mtp")
+    t = model_tensors(c, device)
+    assert "mtp.0.e_proj.weight" in t
+    with torch.device(device):
+        ref = V4Model(c, t)
+    gpu = GpuModel(c, t, device, max_batch=2, max_context=1024)
+    yield c, gpu, ref, device
+    del gpu, ref, t
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("rows_a_call", [1, 37])
+def test_the_mtp_layer_drafts_as_the_reference_does(models, rows_a_call):
+    c, gpu, ref, device = models
+    from dsuf.model.state import SequenceState
+
+    tokens = torch.randint(0, c.vocab_size, (150,), device=device)  # past the MTP layer's 128-token window
+    with torch.device(device):
+        state = SequenceState.new(c, NUM.dtype)
+        _, streams = ref.forward(tokens[:-1], state, NUM, return_streams=True)
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        with torch.device(device):
+            return ref.mtp_forward(x, tokens[1:], 0, copy.deepcopy(state), NUM)
+
+    want = reference(streams)
+    nudged = streams.clone()
+    nudged.view(-1)[::100] = (nudged.view(-1)[::100].float() * (1 + 2**-7)).to(nudged.dtype)
+    noise = rel(reference(nudged), want)
+    seq = gpu.new_state()
+    got = []
+    for lo in range(0, streams.shape[0], rows_a_call):
+        hi = min(streams.shape[0], lo + rows_a_call)
+        pos = torch.arange(lo, hi, device=device)
+        got.append(gpu.draft(streams[lo:hi].to(torch.bfloat16).contiguous(), tokens[lo + 1 : hi + 1], torch.full_like(pos, seq.slot), pos))
+    gpu.free(seq)
+    got = torch.cat(got)
+    error = rel(got, want)
+    print(f"\n  MTP drafts, {rows_a_call} rows a call: rel err {error:.1e} (the reference moves {noise:.1e} when 1% of its input moves one ulp)")
+    assert error <= max(2 * noise, 1e-2)
+    agree = (got.argmax(-1).cpu() == want.argmax(-1).cpu()).float().mean()
+    print(f"  the same draft token at {100 * float(agree):.0f} % of the rows")
+
+
+@pytest.mark.parametrize("drafts", ["right", "wrong"])
+def test_verified_drafts_compute_what_decoding_without_them_computes(models, drafts):
+    """verify_batch feeds a token and its draft as two rows of one step: the logits after the
+    token (and after an accepted draft) are those of decoding the same tokens one a step, within
+    the GPU path's own batch variance. A rejected draft is taken back, also where its row completes
+    a CSA group (every 4th position) and the HCA group (position 127): the sequence then goes on
+    as if it had never seen it, and its state ends up what plain decoding's is."""
+    from gpu_checks import state_tensors
+
+    c, gpu, _, _ = models
+    prompt, n = 120, 24
+    tokens = torch.randint(0, c.vocab_size, (prompt + n,))
+    plain = gpu.new_state()
+    want = gpu.forward_batch([(tokens[:prompt], plain)])
+    want += [gpu.forward_batch([(t.view(1), plain)])[0] for t in tokens[prompt:]]  # want[k]: after position prompt - 1 + k
+    seq = gpu.new_state()
+    gpu.forward_batch([(tokens[:prompt], seq)])
+    errors, i = [], prompt  # the next position to feed
+    while i < prompt + n - 1:
+        right = int(tokens[i + 1])
+        (v,) = gpu.verify_batch([(tokens[i : i + 1], seq, right if drafts == "right" else (right + 1) % c.vocab_size)])
+        assert v.logits.shape[0] == 2 and v.undo is not None and v.streams.shape[0] == 2
+        errors.append(rel(v.logits[0], want[i - prompt + 1]))
+        if drafts == "right":
+            errors.append(rel(v.logits[1], want[i - prompt + 2]))
+            i += 2
+        else:
+            gpu.take_back(seq, v.undo)
+            i += 1
+    if seq.pos < plain.pos:
+        gpu.forward_batch([(tokens[seq.pos : plain.pos], seq)])
+    assert seq.pos == plain.pos
+    cached = [rel(a.float(), b.float()) for a, b in zip(state_tensors(gpu.export_state(seq)), state_tensors(gpu.export_state(plain))) if b.numel()]
+    exact = sum(e == 0 for e in errors)
+    print(f"\n  drafts {drafts}: logits rel err up to {max(errors):.1e} ({exact} of {len(errors)} rows bit for bit), cached tensors up to {max(cached):.1e}")
+    assert max(errors) < CHAOS and max(cached) < CHAOS  # a state not taken back gives ~1
+    gpu.free(seq)
+    gpu.free(plain)
+
+
+def test_no_draft_is_fed_where_the_context_has_no_room(models):
+    c, gpu, _, _ = models
+    seq = gpu.new_state()
+    gpu.forward_batch([(torch.randint(0, c.vocab_size, (gpu.max_context - 1,)), seq)])
+    (v,) = gpu.verify_batch([(torch.tensor([5]), seq, 7)])
+    assert v.logits.shape[0] == 1 and v.undo is None and seq.pos == gpu.max_context
+    gpu.free(seq)
