@@ -58,6 +58,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_MIN = 2 * PREFILL_CHUNK  # prompts this long are prefilled in large chunks, outside the step graphs
 PREFILL_MAX = 8192  # rows of a prefill chunk
 INDEX_SCORE_BYTES = 2 << 30  # a prefill chunk's index scores (float32 [rows, keys]) stay below this
+DRAFT_GRAPH_ROWS = 2  # MTP drafts of up to this many rows (a decode step's one, or two after an accepted draft) replay graphs
 
 
 def step_rows(max_batch: int) -> int:
@@ -154,7 +155,8 @@ class GpuModel:
         # Their pinned host copies: a step's inputs go over without waiting for the steps before.
         self.host_in, self.host_runs = self.dev_in.cpu().pin_memory(), self.dev_runs.cpu().pin_memory()
         self.staged = torch.cuda.Event()  # the last copy from them is done once this has passed
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}  # rows -> graph, logits, streams
+        self._draft_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # rows -> graph, streams, ids / slots / positions, logits
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
         # Compile every kernel (NVRTC, cached on disk) and capture the batch-1 step now, so that the
         # worker says Ready only once the first request can run at full speed.
@@ -212,10 +214,32 @@ class GpuModel:
     @torch.inference_mode()
     def mtp_forward(self, streams: torch.Tensor, next_tokens: torch.Tensor, start: int, seq: GpuSequence, num: Numerics | None = None) -> torch.Tensor:
         """The reference's mtp_forward for one sequence: draft logits [T, vocab] from its final
-        streams at positions start … start+T−1 and the tokens chosen after them."""
-        pos = torch.arange(start, start + streams.shape[0], device=self.device)
-        seq.mtp_pos = start + streams.shape[0]
-        return self.draft(streams.to(self.device, torch.bfloat16).contiguous(), next_tokens.to(self.device, torch.int64), torch.full_like(pos, seq.slot), pos)
+        streams at positions start … start+T−1 and the tokens chosen after them. A decode step's
+        few rows replay a CUDA graph (the block's launches cost more than its work)."""
+        t = streams.shape[0]
+        seq.mtp_pos = start + t
+        inputs = torch.tensor([next_tokens.tolist(), [seq.slot] * t, list(range(start, start + t))])  # ids, slots, positions
+        if not self.graphs or t > DRAFT_GRAPH_ROWS:
+            inputs = inputs.to(self.device)
+            return self.draft(streams.to(self.device, torch.bfloat16).contiguous(), *inputs)
+        if t not in self._draft_graphs:
+            self._capture_draft(t)
+        graph, x, dev_inputs, logits = self._draft_graphs[t]
+        x.copy_(streams)
+        dev_inputs.copy_(inputs)
+        graph.replay()
+        return logits
+
+    def _capture_draft(self, rows: int) -> None:
+        """Capture the MTP draft of `rows` rows of one slot, after one eager run on slot 0 (scratch)."""
+        x = torch.zeros((rows, self.config.hc_mult, self.config.dim), dtype=torch.bfloat16, device=self.device)
+        inputs = torch.zeros((3, rows), dtype=torch.int64, device=self.device)
+        inputs[2] = torch.arange(rows)
+        self.draft(x, *inputs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.draft(x, *inputs)
+        self._draft_graphs[rows] = (graph, x, inputs, logits)
 
     # ---- the step ---------------------------------------------------------------------------------
 
@@ -388,7 +412,7 @@ class GpuModel:
         if not all(tokens.is_cuda and tokens.numel() == 1 for tokens, _ in batch) or len(batch) > self.max_batch:
             raise ValueError(f"tokens on the device go one a sequence, for every sequence of the step (at most {self.max_batch})")
         rows = [(seq.slot, seq.pos, 0) for _, seq in batch]
-        logits = self.step(rows, ids=torch.cat([tokens.view(1) for tokens, _ in batch]).to(self.device, torch.int64))
+        logits, _ = self.step(rows, ids=torch.cat([tokens.view(1) for tokens, _ in batch]).to(self.device, torch.int64))
         for _, seq in batch:
             seq.pos += 1
         return [logits[i : i + 1].clone() for i in range(len(batch))]
