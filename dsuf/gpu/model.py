@@ -158,8 +158,8 @@ class GpuModel:
         self.host_in, self.host_runs = self.dev_in.cpu().pin_memory(), self.dev_runs.cpu().pin_memory()
         self.staged = torch.cuda.Event()  # the last copy from them is done once this has passed
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}  # rows -> graph, logits, streams
-        # Speculative decoding: each (slot, ratio)'s compressor states as a draft row found them.
-        self._backups: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # Speculative decoding: each slot's compressor states as its last draft row found them.
+        self._backups: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._draft_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # rows -> graph, streams, ids / slots / positions, logits
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
         # Compile every kernel (NVRTC, cached on disk) and capture the batch-1 step now, so that the
@@ -191,36 +191,32 @@ class GpuModel:
     @torch.inference_mode()
     def verify_batch(self, batch: list[tuple[torch.Tensor, GpuSequence, int | None]], num: Numerics | None = None) -> list[Verified]:
         """Each sequence's tokens with its draft (where it has one) as one more row of the same
-        step. A draft row leaves its window entry behind, and where it completes a compressor
-        group also that group's entry and the compressor states moved on: the entries are written
-        again when the position is fed again, the states (of the layers whose group it completes)
-        are copied first, as its undo. No draft where the context has no room for it."""
+        step. A draft row leaves its window entry behind, its compressor state rows, and where it
+        completes a compressor group also that group's entry and the states moved on: the entries
+        are written again when the position is fed again (and no snapshot holds them before), the
+        slot's compressor states are copied first, as its undo (a snapshot after a rejected draft
+        is then the one without it). No draft where the context has no room for it."""
         batch = [(tokens, seq, draft if seq.pos + len(tokens) < self.max_context else None) for tokens, seq, draft in batch]
-        undo = [self._save_compressor_states(seq, seq.pos + len(tokens)) if draft is not None else None for tokens, seq, draft in batch]
+        undo = [self._save_compressor_states(seq) if draft is not None else None for tokens, seq, draft in batch]
         fed = self._feed([(torch.cat((tokens.view(-1), torch.tensor([draft] if draft is not None else [], dtype=tokens.dtype))), seq)
                           for tokens, seq, draft in batch], last=[1 + (draft is not None) for _, _, draft in batch], tail=self.config.window_size + 1)
         return [Verified(logits, streams, u) for (logits, streams), u in zip(fed, undo)]
 
-    def _save_compressor_states(self, seq: GpuSequence, pos: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-        """Copy the compressor states of seq's slot that a row at `pos` rewrites beyond its own
-        entries (those of the layers whose group it completes) to the slot's backups -> (live,
-        backup) lists for take_back. One multi-tensor copy a ratio (up to 84 states a step)."""
-        saved = []
-        for ratio in {layer.ratio for layer in self.layers if layer.ratio and (pos + 1) % layer.ratio == 0}:
-            if (seq.slot, ratio) not in self._backups:
-                live = [t[seq.slot] for layer, cache in zip(self.layers, self.caches) if layer.ratio == ratio
-                        for t in (cache.comp_kv, cache.comp_score, cache.idx_kv, cache.idx_score) if t is not None]
-                self._backups[seq.slot, ratio] = (live, [torch.empty_like(t) for t in live])
-            live, backup = self._backups[seq.slot, ratio]
-            torch._foreach_copy_(backup, live)
-            saved.append((live, backup))
-        return saved
+    def _save_compressor_states(self, seq: GpuSequence) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copy the compressor states of seq's slot to its backups (one multi-tensor copy) ->
+        (live, backup) for take_back."""
+        if seq.slot not in self._backups:
+            live = [t[seq.slot] for cache in self.caches for t in (cache.comp_kv, cache.comp_score, cache.idx_kv, cache.idx_score) if t is not None]
+            self._backups[seq.slot] = (live, [torch.empty_like(t) for t in live])
+        live, backup = self._backups[seq.slot]
+        torch._foreach_copy_(backup, live)
+        return live, backup
 
     @torch.inference_mode()
-    def take_back(self, seq: GpuSequence, undo: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> GpuSequence:
+    def take_back(self, seq: GpuSequence, undo: tuple[list[torch.Tensor], list[torch.Tensor]]) -> GpuSequence:
         """Forget the draft row verify_batch fed last to seq."""
-        for live, backup in undo:
-            torch._foreach_copy_(live, backup)
+        live, backup = undo
+        torch._foreach_copy_(live, backup)
         seq.pos -= 1
         return seq
 
