@@ -158,8 +158,9 @@ class GpuModel:
         self.host_in, self.host_runs = self.dev_in.cpu().pin_memory(), self.dev_runs.cpu().pin_memory()
         self.staged = torch.cuda.Event()  # the last copy from them is done once this has passed
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}  # rows -> graph, logits, streams
-        # Speculative decoding: each slot's compressor states as its last draft row found them.
-        self._backups: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # Speculative decoding: an empty compressor state row's score, by width.
+        self._neg_inf = {n: torch.full((n,), float("-inf"), device=device) for cache in self.caches if cache.comp_score is not None
+                         for n in {cache.comp_score.shape[-1]} | ({cache.idx_score.shape[-1]} if cache.idx_score is not None else set())}
         self._draft_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # rows -> graph, streams, ids / slots / positions, logits
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
         # Compile every kernel (NVRTC, cached on disk) and capture the batch-1 step now, so that the
@@ -191,32 +192,55 @@ class GpuModel:
     @torch.inference_mode()
     def verify_batch(self, batch: list[tuple[torch.Tensor, GpuSequence, int | None]], num: Numerics | None = None) -> list[Verified]:
         """Each sequence's tokens with its draft (where it has one) as one more row of the same
-        step. A draft row leaves its window entry behind, its compressor state rows, and where it
-        completes a compressor group also that group's entry and the states moved on: the entries
-        are written again when the position is fed again (and no snapshot holds them before), the
-        slot's compressor states are copied first, as its undo (a snapshot after a rejected draft
-        is then the one without it). No draft where the context has no room for it."""
-        batch = [(tokens, seq, draft if seq.pos + len(tokens) < self.max_context else None) for tokens, seq, draft in batch]
-        undo = [self._save_compressor_states(seq) if draft is not None else None for tokens, seq, draft in batch]
+        step. A draft row leaves behind its window entry and its compressor state row, and where
+        it completes a group also that group's entry and the states moved on (kernels_cu/
+        compressor.cu). The entries are written again when the position is fed again (no snapshot
+        holds them before); take_back empties the row, or for a CSA group (overlapping: the
+        completed group's rows live on as the previous group's) moves the rows back and puts back
+        the previous group's rows, saved before the step (so the step's tokens must not complete
+        one: at most 3 before a draft that does). No draft where it would complete an HCA group
+        (whose completion clears the rows of the tokens before it) or the context has no room."""
+        def room(p: int, tokens: int) -> bool:  # for a draft row at position p after `tokens` rows
+            hca = any(layer.ratio not in (0, 4) and (p + 1) % layer.ratio == 0 for layer in self.layers)
+            return p < self.max_context and not hca and not ((p + 1) % 4 == 0 and tokens > 3)
+
+        batch = [(tokens, seq, draft if room(seq.pos + len(tokens), len(tokens)) else None) for tokens, seq, draft in batch]
+        undo = [self._draft_undo(seq, seq.pos + len(tokens)) if draft is not None else None for tokens, seq, draft in batch]
         fed = self._feed([(torch.cat((tokens.view(-1), torch.tensor([draft] if draft is not None else [], dtype=tokens.dtype))), seq)
                           for tokens, seq, draft in batch], last=[1 + (draft is not None) for _, _, draft in batch], tail=self.config.window_size + 1)
         return [Verified(logits, streams, u) for (logits, streams), u in zip(fed, undo)]
 
-    def _save_compressor_states(self, seq: GpuSequence) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copy the compressor states of seq's slot to its backups (one multi-tensor copy) ->
-        (live, backup) for take_back."""
-        if seq.slot not in self._backups:
-            live = [t[seq.slot] for cache in self.caches for t in (cache.comp_kv, cache.comp_score, cache.idx_kv, cache.idx_score) if t is not None]
-            self._backups[seq.slot] = (live, [torch.empty_like(t) for t in live])
-        live, backup = self._backups[seq.slot]
-        torch._foreach_copy_(backup, live)
-        return live, backup
+    def _states(self, seq: GpuSequence, ratio: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (kv, score) compressor states [rows, C] of seq's slot in the layers of `ratio`."""
+        return [(kv[seq.slot], score[seq.slot]) for layer, cache in zip(self.layers, self.caches) if layer.ratio == ratio
+                for kv, score in ((cache.comp_kv, cache.comp_score), (cache.idx_kv, cache.idx_score)) if kv is not None]
+
+    def _draft_undo(self, seq: GpuSequence, p: int) -> tuple[int, list[torch.Tensor]]:
+        """What take_back needs for a draft row at position p: p, and where it completes a CSA
+        group, a copy of the CSA states' previous-group rows (one multi-tensor copy)."""
+        if (p + 1) % 4:
+            return p, []
+        prev = [t[:4] for kv, score in self._states(seq, 4) for t in (kv, score)]
+        saved = [torch.empty_like(t) for t in prev]
+        torch._foreach_copy_(saved, prev)
+        return p, saved
 
     @torch.inference_mode()
-    def take_back(self, seq: GpuSequence, undo: tuple[list[torch.Tensor], list[torch.Tensor]]) -> GpuSequence:
-        """Forget the draft row verify_batch fed last to seq."""
-        live, backup = undo
-        torch._foreach_copy_(live, backup)
+    def take_back(self, seq: GpuSequence, undo: tuple[int, list[torch.Tensor]]) -> GpuSequence:
+        """Forget the draft row verify_batch fed last to seq: its compressor state rows back to
+        empty (kv 0, score -inf), a completed CSA group's rows back from the previous group's."""
+        p, saved = undo
+        emptied = []
+        for ratio in {layer.ratio for layer in self.layers if layer.ratio}:
+            overlap = ratio == 4
+            states = self._states(seq, ratio)
+            if overlap and saved:  # rows 4..7 (this group) were moved to 0..3, then emptied
+                torch._foreach_copy_([t[4:] for kv, score in states for t in (kv, score)], [t[:4] for kv, score in states for t in (kv, score)])
+                torch._foreach_copy_([t[:4] for kv, score in states for t in (kv, score)], saved)
+            row = (ratio if overlap else 0) + p % ratio
+            emptied += [(kv[row], score[row]) for kv, score in states]
+        torch._foreach_zero_([kv for kv, _ in emptied])
+        torch._foreach_copy_([score for _, score in emptied], [self._neg_inf[score.shape[0]] for _, score in emptied])
         seq.pos -= 1
         return seq
 
