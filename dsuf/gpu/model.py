@@ -158,7 +158,10 @@ class GpuModel:
         self.host_in, self.host_runs = self.dev_in.cpu().pin_memory(), self.dev_runs.cpu().pin_memory()
         self.staged = torch.cuda.Event()  # the last copy from them is done once this has passed
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}  # rows -> graph, logits, streams
-        # Speculative decoding: an empty compressor state row's score, by width.
+        # Speculative decoding: the compressed layers' ratios, views of the slots' compressor
+        # states (_states), an empty state row's score by width.
+        self._ratios = sorted({layer.ratio for layer in self.layers if layer.ratio})
+        self._state_views: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._neg_inf = {n: torch.full((n,), float("-inf"), device=device) for cache in self.caches if cache.comp_score is not None
                          for n in {cache.comp_score.shape[-1]} | ({cache.idx_score.shape[-1]} if cache.idx_score is not None else set())}
         self._draft_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # rows -> graph, streams, ids / slots / positions, logits
@@ -210,17 +213,22 @@ class GpuModel:
                           for tokens, seq, draft in batch], last=[1 + (draft is not None) for _, _, draft in batch], tail=self.config.window_size + 1)
         return [Verified(logits, streams, u) for (logits, streams), u in zip(fed, undo)]
 
-    def _states(self, seq: GpuSequence, ratio: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The (kv, score) compressor states [rows, C] of seq's slot in the layers of `ratio`."""
-        return [(kv[seq.slot], score[seq.slot]) for layer, cache in zip(self.layers, self.caches) if layer.ratio == ratio
-                for kv, score in ((cache.comp_kv, cache.comp_score), (cache.idx_kv, cache.idx_score)) if kv is not None]
+    def _states(self, slot: int, ratio: int, rows: slice | int = slice(None)) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The compressor states' (kv, score) rows of `slot` in every layer of `ratio` (views, kept:
+        take_back runs every rejected step)."""
+        key = (slot, ratio, rows if isinstance(rows, int) else (rows.start, rows.stop))
+        if key not in self._state_views:
+            pairs = [(kv[slot, rows], score[slot, rows]) for layer, cache in zip(self.layers, self.caches) if layer.ratio == ratio
+                     for kv, score in ((cache.comp_kv, cache.comp_score), (cache.idx_kv, cache.idx_score)) if kv is not None]
+            self._state_views[key] = ([kv for kv, _ in pairs], [score for _, score in pairs])
+        return self._state_views[key]
 
     def _draft_undo(self, seq: GpuSequence, p: int) -> tuple[int, list[torch.Tensor]]:
         """What take_back needs for a draft row at position p: p, and where it completes a CSA
         group, a copy of the CSA states' previous-group rows (one multi-tensor copy)."""
         if (p + 1) % 4:
             return p, []
-        prev = [t[:4] for kv, score in self._states(seq, 4) for t in (kv, score)]
+        prev = [t for views in self._states(seq.slot, 4, slice(0, 4)) for t in views]
         saved = [torch.empty_like(t) for t in prev]
         torch._foreach_copy_(saved, prev)
         return p, saved
@@ -230,17 +238,14 @@ class GpuModel:
         """Forget the draft row verify_batch fed last to seq: its compressor state rows back to
         empty (kv 0, score -inf), a completed CSA group's rows back from the previous group's."""
         p, saved = undo
-        emptied = []
-        for ratio in {layer.ratio for layer in self.layers if layer.ratio}:
-            overlap = ratio == 4
-            states = self._states(seq, ratio)
-            if overlap and saved:  # rows 4..7 (this group) were moved to 0..3, then emptied
-                torch._foreach_copy_([t[4:] for kv, score in states for t in (kv, score)], [t[:4] for kv, score in states for t in (kv, score)])
-                torch._foreach_copy_([t[:4] for kv, score in states for t in (kv, score)], saved)
-            row = (ratio if overlap else 0) + p % ratio
-            emptied += [(kv[row], score[row]) for kv, score in states]
-        torch._foreach_zero_([kv for kv, _ in emptied])
-        torch._foreach_copy_([score for _, score in emptied], [self._neg_inf[score.shape[0]] for _, score in emptied])
+        if saved:  # rows 4..7 (this group) were moved to 0..3, then emptied
+            prev = [t for views in self._states(seq.slot, 4, slice(0, 4)) for t in views]
+            torch._foreach_copy_([t for views in self._states(seq.slot, 4, slice(4, 8)) for t in views], prev)
+            torch._foreach_copy_(prev, saved)
+        for ratio in self._ratios:
+            kv, score = self._states(seq.slot, ratio, (ratio if ratio == 4 else 0) + p % ratio)
+            torch._foreach_zero_(kv)
+            torch._foreach_copy_(score, [self._neg_inf[t.shape[0]] for t in score])
         seq.pos -= 1
         return seq
 
