@@ -110,6 +110,19 @@ DSUF_DEVICE u32 e4m3_odd_to_bf16x2(u32 q) {
 
 DSUF_DEVICE u32 e4m3_even_to_bf16x2(u32 q) { return e4m3_odd_to_bf16x2(q << 8); }
 
+// The bf16 A fragments of four m16n8k16 MMAs from a 16x64 e4m3 tile: w0 holds a lane's 16 bytes
+// of row g, w1 of row g + 8; a[s] covers bytes 4s..4s+3 of both (even bytes, then odd).
+DSUF_DEVICE void e4m3_a_fragments(u32 a[4][4], uint4 w0, uint4 w1) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const u32 q0 = word(w0, s), q1 = word(w1, s);
+    a[s][0] = e4m3_even_to_bf16x2(q0);
+    a[s][1] = e4m3_even_to_bf16x2(q1);
+    a[s][2] = e4m3_odd_to_bf16x2(q0);
+    a[s][3] = e4m3_odd_to_bf16x2(q1);
+  }
+}
+
 // D = A(16x32 e4m3, row) * B(32x8 e4m3, col) + 0, fp32 result (see fragment layout in gemm.cuh).
 DSUF_DEVICE void mma_e4m3(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm(

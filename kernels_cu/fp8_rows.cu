@@ -30,6 +30,25 @@ DSUF_DEVICE void post_rows(u8* dst, int pitch, const u8* w, int K, int r0, int R
   for (int r = threadIdx.x; r < R; r += ROWS_THREADS) bulk_copy(dst + r * pitch, w + (i64)(r0 + r) * K, K, &bars[r >> 4]);
 }
 
+// acc: a lane's (row r, tokens m and m + 1), (row r + 8, the same tokens) of K share kp; the
+// shares' partial sums meet in red (float [shares][R][8]) and add up in a fixed order; out rows
+// r0 … r0 + R - 1 of the M tokens written as bf16.
+template <class Params>  // out, N, M, R as in RowsParams
+DSUF_DEVICE void rows_reduce_store(const Params& p, int r0, float* red, const float acc[4], int r, int m, int kp, int shares) {
+  float* part = red + kp * p.R * 8;
+  part[r * 8 + m] = acc[0];
+  part[r * 8 + m + 1] = acc[1];
+  part[(r + 8) * 8 + m] = acc[2];
+  part[(r + 8) * 8 + m + 1] = acc[3];
+  __syncthreads();
+  for (int i = threadIdx.x; i < p.R * p.M; i += ROWS_THREADS) {
+    const int tok = i / p.R, row = i % p.R;
+    float sum = 0.0f;
+    for (int s = 0; s < shares; ++s) sum += red[(s * p.R + row) * 8 + tok];
+    p.out[(i64)tok * p.N + r0 + row] = f32_to_bf16(sum);
+  }
+}
+
 struct RowsParams {
   const u8* w;      // e4m3 [N, K]
   const u8* ws;     // E8M0 [N/128, K/128]
@@ -83,19 +102,7 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_m8(const 
     acc[2] += d[2] * s0;
     acc[3] += d[3] * s1;
   }
-  const int r = rg * 16 + g;
-  float* part = red + kp * p.R * 8;
-  part[r * 8 + ca] = acc[0];
-  part[r * 8 + ca1] = acc[1];
-  part[(r + 8) * 8 + ca] = acc[2];
-  part[(r + 8) * 8 + ca1] = acc[3];
-  __syncthreads();
-  for (int i = threadIdx.x; i < p.R * p.M; i += ROWS_THREADS) {
-    const int m = i / p.R, row = i % p.R;
-    float sum = 0.0f;
-    for (int s = 0; s < shares; ++s) sum += red[(s * p.R + row) * 8 + m];
-    p.out[(i64)m * p.N + r0 + row] = f32_to_bf16(sum);
-  }
+  rows_reduce_store(p, r0, red, acc, rg * 16 + g, 2 * t, kp, shares);
 }
 
 // wo_a's grouped FP8 projection with bf16 activations (gemv.cu's FP8 format, the reference's bf16
@@ -155,14 +162,7 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_bf16x_m8(
         x1 = *reinterpret_cast<const uint4*>(xrow + c * 128 + 16);
       }
       u32 a[4][4];
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const u32 q0 = word(w0, s), q1 = word(w1, s);
-        a[s][0] = e4m3_even_to_bf16x2(q0);
-        a[s][1] = e4m3_even_to_bf16x2(q1);
-        a[s][2] = e4m3_odd_to_bf16x2(q0);
-        a[s][3] = e4m3_odd_to_bf16x2(q1);
-      }
+      e4m3_a_fragments(a, w0, w1);
       mma_bf16(blk, a[0], x0.x, x0.y);
       mma_bf16(blk, a[1], x0.z, x0.w);
       mma_bf16(blk, a[2], x1.x, x1.y);
@@ -172,18 +172,5 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_bf16x_m8(
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[i] += blk[i] * sw;
   }
-  // acc: (row g, tokens 2t and 2t + 1), (row g + 8, the same tokens).
-  const int r = rg * 16 + g;
-  float* part = red + kp * p.R * 8;
-  part[r * 8 + 2 * t] = acc[0];
-  part[r * 8 + 2 * t + 1] = acc[1];
-  part[(r + 8) * 8 + 2 * t] = acc[2];
-  part[(r + 8) * 8 + 2 * t + 1] = acc[3];
-  __syncthreads();
-  for (int i = threadIdx.x; i < p.R * p.M; i += ROWS_THREADS) {
-    const int m = i / p.R, row = i % p.R;
-    float sum = 0.0f;
-    for (int s = 0; s < shares; ++s) sum += red[(s * p.R + row) * 8 + m];
-    p.out[(i64)m * p.N + r0 + row] = f32_to_bf16(sum);
-  }
+  rows_reduce_store(p, r0, red, acc, rg * 16 + g, 2 * t, kp, shares);
 }

@@ -122,14 +122,7 @@ DSUF_DEVICE void gemv_body(const GemvParams& p) {
           for (int m = 0; m < MT; ++m) blk[m][0] = blk[m][1] = blk[m][2] = blk[m][3] = 0.0f;
         }
         u32 a[4][4];
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          const u32 q0 = word(w0, s), q1 = word(w1, s);
-          a[s][0] = e4m3_even_to_bf16x2(q0);
-          a[s][1] = e4m3_even_to_bf16x2(q1);
-          a[s][2] = e4m3_odd_to_bf16x2(q0);
-          a[s][3] = e4m3_odd_to_bf16x2(q1);
-        }
+        e4m3_a_fragments(a, w0, w1);
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           const u8* xp = xl + m * 8 * stride + c * 128;

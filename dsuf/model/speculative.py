@@ -1,5 +1,5 @@
-"""Speculative decoding with V4's NextN (MTP) layer on the reference path (the worker's
-`_speculate` runs it): the algorithm and the state handling the fast paths follow, and their oracle.
+"""Speculative decoding with V4's NextN (MTP) layer (the worker's `_speculate` runs it over the
+reference model, the oracle, and over the GPU model alike).
 
 A step feeds the last chosen token t and then the MTP layer's draft d of the token after it. The
 main model's logits after t give the next token; if it is d, the draft is accepted and the logits
