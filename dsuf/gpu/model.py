@@ -15,6 +15,11 @@ A prompt of PREFILL_MIN tokens or more is prefilled on its own first, in chunks 
 `prefill_rows` rows run eagerly (no graph: a chunk's launches are few against its work): its
 matmuls on the tensor cores over bf16 weight copies (dense.py), its KV through the caches'
 scratch entries, its compressors' groups in parallel (layer.py).
+
+Speculative decoding (dsuf.model.speculative): `verify_batch` feeds a sequence's token and its MTP
+draft as two rows of one step, `take_back` forgets a rejected draft's row, and `mtp_forward` runs
+the MTP layer (a window-only block with its own cache; a decode step's one or two rows replay a
+graph) for the next draft.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ until `Shutdown` or until its parent disappears. One sequence failing never stop
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 import os
 import sys
