@@ -209,7 +209,7 @@ class GpuModel:
         one: at most 3 before a draft that does). No draft where it would complete an HCA group
         (whose completion clears the rows of the tokens before it) or the context has no room."""
         def room(p: int, tokens: int) -> bool:  # for a draft row at position p after `tokens` rows
-            hca = any(layer.ratio not in (0, 4) and (p + 1) % layer.ratio == 0 for layer in self.layers)
+            hca = any(ratio != 4 and (p + 1) % ratio == 0 for ratio in self._ratios)
             return p < self.max_context and not hca and not ((p + 1) % 4 == 0 and tokens > 3)
 
         batch = [(tokens, seq, draft if room(seq.pos + len(tokens), len(tokens)) else None) for tokens, seq, draft in batch]
