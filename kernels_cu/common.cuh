@@ -93,6 +93,12 @@ DSUF_DEVICE uint4 ld_nc16(const void* p) {
   return v;
 }
 
+DSUF_DEVICE uint2 ld_nc8(const void* p) {
+  uint2 v;
+  asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
 DSUF_DEVICE u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 DSUF_DEVICE u32 mul_bf16x2(u32 a, u32 b) {
@@ -140,6 +146,40 @@ DSUF_DEVICE void mma_e4m3_acc(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Four e4m3 bytes to two f16 pairs: lo = bytes 0-1, hi = bytes 2-3 (exact: f16 holds every e4m3).
+struct F16Quad {
+  u32 lo, hi;
+};
+DSUF_DEVICE F16Quad e4m3x4_to_f16(u32 v) {
+  F16Quad h;
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}"
+      : "=r"(h.lo), "=r"(h.hi)
+      : "r"(v));
+  return h;
+}
+
+// mma_e4m3 with B already in f16: sm_90 runs an e4m3 mma.sync as two m16n8k16 f16 products of
+// its operands converted to f16 (k bytes 0-1 of each register, then bytes 2-3); doing the same
+// here gives the same bits, and lets B be converted once for all the warps that share it:
+// b = {b0 bytes 0-1, b1 bytes 0-1, b0 bytes 2-3, b1 bytes 2-3} as f16 pairs.
+DSUF_DEVICE void mma_e4m3_f16b(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, const uint4& b) {
+  const F16Quad h0 = e4m3x4_to_f16(a0), h1 = e4m3x4_to_f16(a1), h2 = e4m3x4_to_f16(a2), h3 = e4m3x4_to_f16(a3);
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%10, %10, %10, %10};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(h0.lo), "r"(h1.lo), "r"(h2.lo), "r"(h3.lo), "r"(b.x), "r"(b.y), "f"(0.0f));
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(h0.hi), "r"(h1.hi), "r"(h2.hi), "r"(h3.hi), "r"(b.z), "r"(b.w));
+}
+
+// B of mma_e4m3 (b0, b1: e4m3 quads) in mma_e4m3_f16b's form.
+DSUF_DEVICE uint4 e4m3_b_to_f16(u32 b0, u32 b1) {
+  const F16Quad h0 = e4m3x4_to_f16(b0), h1 = e4m3x4_to_f16(b1);
+  return make_uint4(h0.lo, h1.lo, h0.hi, h1.hi);
+}
+
 // One 128-byte K block of a 16-row e4m3 weight tile times 8 e4m3 token columns, fp32 result (the
 // FP8 linears' fragments, lane = 4g + t): w[0], w[1] = row g's 16 bytes at 16t and 64 + 16t,
 // w[2], w[3] = row g + 8's; x[0], x[1] = token g's at the same offsets. Step s uses words 2s,
@@ -149,6 +189,25 @@ DSUF_DEVICE void mma_e4m3_kblock(float d[4], const uint4 (&w)[4], const uint4 (&
   mma_e4m3_acc(d, w[0].z, w[2].z, w[0].w, w[2].w, x[0].z, x[0].w);
   mma_e4m3_acc(d, w[1].x, w[3].x, w[1].y, w[3].y, x[1].x, x[1].y);
   mma_e4m3_acc(d, w[1].z, w[3].z, w[1].w, w[3].w, x[1].z, x[1].w);
+}
+
+// mma_e4m3_kblock with the activations as mma_e4m3_f16b's B, x[i] for the i-th of the four
+// mmas: the same products and additions (sm_90's e4m3 mma adds a fresh product to the accumulator).
+DSUF_DEVICE void mma_e4m3_kblock_f16b(float d[4], const uint4 (&w)[4], const uint4 (&x)[4]) {
+  float e[4];
+  mma_e4m3_f16b(d, w[0].x, w[2].x, w[0].y, w[2].y, x[0]);
+#pragma unroll
+  for (int i = 1; i < 4; ++i) {
+    const uint4& wa = w[i >> 1];
+    const uint4& wb = w[2 + (i >> 1)];
+    if (i & 1) {
+      mma_e4m3_f16b(e, wa.z, wb.z, wa.w, wb.w, x[i]);
+    } else {
+      mma_e4m3_f16b(e, wa.x, wb.x, wa.y, wb.y, x[i]);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) d[j] += e[j];
+  }
 }
 
 // D += A(16x16 bf16, row) * B(16x8 bf16, col), fp32 accumulators. Fragments (PTX ISA), lane = 4g + t:
@@ -249,10 +308,10 @@ DSUF_DEVICE float4 ld_cluster_f4(u32 addr, u32 rank) {
 
 // ---- bulk copies global -> shared memory, completed on an mbarrier (sm_90) ----
 
-// One thread: a barrier expecting one arrival (the thread that posts the copies), visible to the
-// copy engine; the CTA synchronises before anyone waits on it.
-DSUF_DEVICE void mbar_init(u64* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+// One thread: n barriers each expecting one arrival (the thread that posts the copies), made
+// visible to the copy engine by one fence; the CTA synchronises before anyone waits on them.
+DSUF_DEVICE void mbar_init(u64* bars, int n = 1) {
+  for (int b = 0; b < n; ++b) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[b])) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 

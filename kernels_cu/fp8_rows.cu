@@ -2,32 +2,63 @@
 // splitting K: y[m, n] = sum_k xq[m, k] sx[m, k/128] * W[n, k] sw(n, k), as gemm.cu's FP8 path
 // computes it (mma.sync m16n8k32 e4m3, a block's sum scaled and added in fp32), bf16 out.
 //
-// A CTA owns R consecutive rows (R in 16, 32, 64, 128: one scale row-block) and all of K. Before
-// the PDL wait, its threads post one bulk copy per row into shared memory (rows padded to K + 64
-// bytes so that the 8 lanes of a 16-byte access phase hit distinct banks), each 16-row group
-// completing on its own mbarrier: the CTA's whole weight slice is in flight at once, from the
-// moment the CTA is scheduled, and no partial sums leave the CTA. Then it waits for the kernel
-// before it and copies the activations in the same way. Warp (rg, kp) multiplies row group rg over
-// its share kp of the K blocks; the K shares are summed in shared memory in a fixed order.
+// A CTA owns R consecutive rows (R in 16, 32, 64, 128: one scale row-block) and all of K; its 16
+// warps are (row group rg of 16 rows, K share kp), shares = 16 / (R / 16). Before the PDL wait,
+// its threads post the CTA's whole weight slice into shared memory as bulk copies of (row, K
+// chunk), chunk-major (rows padded to K + 64 bytes so that the 8 lanes of a 16-byte access phase
+// hit distinct banks), each (row group, chunk) completing on its own mbarrier: the slice is in
+// flight from the moment the CTA is scheduled, a warp starts as soon as its own chunk has landed,
+// and no partial sums leave the CTA. (With 8 warps each owning a row group over all of K, the
+// arithmetic, latency-bound at two warps a scheduler, ran mostly after the last byte had landed.)
+// After the wait the CTA stages its tokens' activations and the blocks' scales; the K shares'
+// sums meet in shared memory and add up in a fixed order.
 //
 // Fragments as in gemm.cu (mma_e4m3_kblock): lane = 4g + t holds 16 bytes of rows g and g + 8 at
 // 16t and 64 + 16t of each 128-byte K block, and the matching bytes of token g's activations.
 #include "common.cuh"
 
-#define ROWS_THREADS 256
+#define ROWS_THREADS 512
 #define ROWS_WARPS (ROWS_THREADS / 32)
-#define ROWS_MAX_GROUPS 8  // R <= 128
+
+// A warp's place: row group rg, K share kp of `shares`, its K blocks [kb0, kb1), and the barrier
+// its weights land on: the K shares are copied in `chunks` (a power of two dividing `shares`, K
+// pieces of at least 1 KB: small bulk copies cost the copy engine more than they save).
+struct RowsWarp {
+  int rg, kp, shares, kb0, kb1, chunks, bar;
+};
+
+DSUF_DEVICE RowsWarp rows_warp(int R, int K) {
+  RowsWarp w;
+  const int groups = R >> 4, warp = threadIdx.x >> 5, KB = K >> 7;
+  w.shares = ROWS_WARPS / groups;
+  w.rg = warp % groups;
+  w.kp = warp / groups;
+  w.kb0 = w.kp * KB / w.shares;
+  w.kb1 = (w.kp + 1) * KB / w.shares;
+  w.chunks = 1;
+  while (2 * w.chunks <= w.shares && 2 * w.chunks * 8 <= KB) w.chunks *= 2;
+  w.bar = w.rg * w.chunks + w.kp / (w.shares / w.chunks);
+  return w;
+}
 
 // Before the PDL wait (the weights depend on no earlier kernel): the CTA's R rows of w (K bytes
-// each, from row r0) are posted as one bulk copy a row to dst (pitch bytes apart), barrier b
-// completing with 16-row group b; bars[0, n_bars) are initialised (n_bars >= R / 16).
-DSUF_DEVICE void post_rows(u8* dst, int pitch, const u8* w, int K, int r0, int R, u64* bars, int n_bars) {
+// each, from row r0) are posted to dst (pitch bytes apart) as one bulk copy a (row, K chunk),
+// chunk-major so that the first chunks land first; barrier rg * chunks + c completes with row
+// group rg's chunk c.
+DSUF_DEVICE void post_rows(u8* dst, int pitch, const u8* w, int K, int r0, int R, const RowsWarp& rw, u64* bars) {
+  const int KB = K >> 7, groups = R >> 4, chunks = rw.chunks;
   if (threadIdx.x == 0) {
-    for (int b = 0; b < n_bars; ++b) mbar_init(&bars[b]);
-    for (int b = 0; b < R >> 4; ++b) mbar_expect_bytes(&bars[b], 16 * K);
+    mbar_init(bars, groups * chunks);
+    for (int b = 0; b < groups * chunks; ++b) {
+      const int c = b % chunks;
+      mbar_expect_bytes(&bars[b], 16 * 128 * ((c + 1) * KB / chunks - c * KB / chunks));
+    }
   }
   __syncthreads();
-  for (int r = threadIdx.x; r < R; r += ROWS_THREADS) bulk_copy(dst + r * pitch, w + (i64)(r0 + r) * K, K, &bars[r >> 4]);
+  for (int i = threadIdx.x; i < R * chunks; i += ROWS_THREADS) {
+    const int c = i / R, r = i % R, kb0 = c * KB / chunks, kb1 = (c + 1) * KB / chunks;
+    bulk_copy(dst + r * pitch + kb0 * 128, w + (i64)(r0 + r) * K + kb0 * 128, (kb1 - kb0) * 128, &bars[(r >> 4) * chunks + c]);
+  }
 }
 
 // acc: a lane's (row r, tokens m and m + 1), (row r + 8, the same tokens) of K share kp; the
@@ -58,51 +89,58 @@ struct RowsParams {
   int N, K, M, R;
 };
 
+// The activations are staged once for all warps already as mma_e4m3_f16b's B (f16 pairs), only
+// the M real tokens: xf[((kb * 4 + i) * M + m) * 4 + t] = mma i of K block kb, token m, lane t.
 extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_m8(const __grid_constant__ RowsParams p) {
   extern __shared__ __align__(128) u8 smem[];
-  __shared__ u64 bars[ROWS_MAX_GROUPS + 1];  // a barrier a 16-row group, then the activations'
-  const int K = p.K, KB = K >> 7, pitch = K + 64, groups = p.R >> 4;
+  __shared__ u64 bars[ROWS_WARPS];
+  const int K = p.K, KB = K >> 7, pitch = K + 64;
   const int r0 = blockIdx.x * p.R;
-  u8* ws_ = smem;                     // [R][pitch] weights
-  u8* xs = smem + p.R * pitch;        // [8][pitch] activations (tokens >= M: zeros)
-  float* red = reinterpret_cast<float*>(xs + 8 * pitch);  // [K shares][R][8] partial sums
+  u8* ws_ = smem;                                               // [R][pitch] weights
+  uint4* xf = reinterpret_cast<uint4*>(smem + p.R * pitch);     // [KB][4][M][4] activations as f16
+  float2* scale = reinterpret_cast<float2*>(xf + p.M * (K >> 3));  // [KB][4]: sw * sx of tokens 2t, 2t + 1
+  float* red = reinterpret_cast<float*>(scale + 4 * KB);          // [K shares][R][8] partial sums
+  const RowsWarp rw = rows_warp(p.R, K);
 
-  post_rows(ws_, pitch, p.w, K, r0, p.R, bars, groups + 1);
+  post_rows(ws_, pitch, p.w, K, r0, p.R, rw, bars);
+  // Thread e < 8 KB stages the scale of K block e / 8, token e % 8 (8 KB <= 512: K <= 8192); the
+  // weight's half is read before the wait, the activation's loads are in flight with the x loads.
+  const int se = threadIdx.x, skb = se >> 3, sm = se & 7;
+  const bool stages_scale = se < 8 * KB;
+  const float sw = stages_scale ? e8m0_to_f32(p.ws[(i64)(r0 >> 7) * KB + skb]) : 0.0f;
   pdl_begin();
-  if (threadIdx.x == 0) mbar_expect_bytes(&bars[groups], p.M * K);
-  __syncthreads();  // the expectation is posted before any activation copy completes
-  if (threadIdx.x < p.M) bulk_copy(xs + threadIdx.x * pitch, p.xq + (i64)threadIdx.x * K, K, &bars[groups]);
-  for (int i = p.M * (K / 16) + threadIdx.x; i < 8 * (K / 16); i += ROWS_THREADS) {
-    const int m = i / (K / 16), c = i % (K / 16);
-    *reinterpret_cast<uint4*>(xs + m * pitch + 16 * c) = make_uint4(0, 0, 0, 0);
+  const float sxv = stages_scale && sm < p.M ? p.sx[(i64)sm * KB + skb] : 0.0f;
+#pragma unroll 4
+  for (int e = threadIdx.x; e < p.M * (K >> 3); e += ROWS_THREADS) {
+    const int t = e & 3, m = (e >> 2) % p.M, ki = (e >> 2) / p.M, kb = ki >> 2, i = ki & 3;
+    const uint2 v = ld_nc8(p.xq + (i64)m * K + kb * 128 + 64 * (i >> 1) + 16 * t + 8 * (i & 1));
+    xf[e] = e4m3_b_to_f16(v.x, v.y);
   }
+  if (stages_scale) reinterpret_cast<float*>(scale)[se] = sw * sxv;
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int shares = ROWS_WARPS / groups, rg = warp % groups, kp = warp / groups;
-  const int kb0 = kp * KB / shares, kb1 = (kp + 1) * KB / shares;
-  const u8* wrow = ws_ + (rg * 16 + g) * pitch + 16 * t;
-  const u8* xrow = xs + g * pitch + 16 * t;
-  const u8* sw_row = p.ws + (i64)(r0 >> 7) * KB;
-  const int ca = 2 * t, ca1 = 2 * t + 1;  // this lane's accumulator tokens
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const u8* wrow = ws_ + (rw.rg * 16 + g) * pitch + 16 * t;
+  // Columns g >= M (no token) read token g % M: finite values whose sums are scaled by 0 below.
+  const uint4* xrow = xf + (g % p.M) * 4 + t;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  __syncthreads();  // the zero rows are written
-  mbar_wait(&bars[rg], 0);
-  mbar_wait(&bars[groups], 0);
-  for (int kb = kb0; kb < kb1; ++kb) {
+  __syncthreads();  // the activations and scales are staged
+  if (rw.kb1 > rw.kb0) mbar_wait(&bars[rw.bar], 0);
+  for (int kb = rw.kb0; kb < rw.kb1; ++kb) {
     const int off = kb * 128;
     const uint4 w[4] = {*reinterpret_cast<const uint4*>(wrow + off), *reinterpret_cast<const uint4*>(wrow + off + 64),
                         *reinterpret_cast<const uint4*>(wrow + 8 * pitch + off), *reinterpret_cast<const uint4*>(wrow + 8 * pitch + off + 64)};
-    const uint4 x[2] = {*reinterpret_cast<const uint4*>(xrow + off), *reinterpret_cast<const uint4*>(xrow + off + 64)};
+    uint4 x[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = xrow[(kb * 4 + i) * p.M * 4];
     float d[4];
-    mma_e4m3_kblock(d, w, x);
-    const float sw = e8m0_to_f32(sw_row[kb]);
-    const float s0 = ca < p.M ? sw * p.sx[(i64)ca * KB + kb] : 0.0f, s1 = ca1 < p.M ? sw * p.sx[(i64)ca1 * KB + kb] : 0.0f;
-    acc[0] += d[0] * s0;
-    acc[1] += d[1] * s1;
-    acc[2] += d[2] * s0;
-    acc[3] += d[3] * s1;
+    mma_e4m3_kblock_f16b(d, w, x);
+    const float2 sc = scale[kb * 4 + t];  // this lane's accumulator tokens 2t, 2t + 1 (0 where absent)
+    acc[0] += d[0] * sc.x;
+    acc[1] += d[1] * sc.y;
+    acc[2] += d[2] * sc.x;
+    acc[3] += d[3] * sc.y;
   }
-  rows_reduce_store(p, r0, red, acc, rg * 16 + g, 2 * t, kp, shares);
+  rows_reduce_store(p, r0, red, acc, rw.rg * 16 + g, 2 * t, rw.kp, rw.shares);
 }
 
 // wo_a's grouped FP8 projection with bf16 activations (gemv.cu's FP8 format, the reference's bf16
@@ -124,13 +162,14 @@ struct RowsBf16Params {
 
 extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_bf16x_m8(const __grid_constant__ RowsBf16Params p) {
   extern __shared__ __align__(128) u8 smem[];
-  __shared__ u64 bars[ROWS_MAX_GROUPS];
-  const int K = p.K, KB = K >> 7, pitch = K + 64, xpitch = 2 * K + 16, groups = p.R >> 4;
+  __shared__ u64 bars[ROWS_WARPS];
+  const int K = p.K, KB = K >> 7, pitch = K + 64, xpitch = 2 * K + 16;
   const int r0 = blockIdx.x * p.R;
   u8* ws_ = smem;                                                // [R][pitch] weights
   u8* xs = smem + p.R * pitch;                                   // [M][xpitch] activations
   float* red = reinterpret_cast<float*>(xs + p.M * xpitch);      // [K shares][R][8] partial sums
-  post_rows(ws_, pitch, p.w, K, r0, p.R, bars, groups);
+  const RowsWarp rw = rows_warp(p.R, K);
+  post_rows(ws_, pitch, p.w, K, r0, p.R, rw, bars);
   pdl_begin();
   const u16* xg = p.x + (i64)(r0 / p.group_rows) * K;
   for (int i = threadIdx.x; i < p.M * (K / 8); i += ROWS_THREADS) {
@@ -141,16 +180,14 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_bf16x_m8(
   }
   __syncthreads();
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int shares = ROWS_WARPS / groups, rg = warp % groups, kp = warp / groups;
-  const int kb0 = kp * KB / shares, kb1 = (kp + 1) * KB / shares;
-  const u8* wrow = ws_ + (rg * 16 + g) * pitch + 16 * t;  // rows g and g + 8 of the group: 16 e4m3 a 64-element chunk
-  const u8* xrow = xs + g * xpitch + 32 * t;              // token g: the matching 16 bf16
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const u8* wrow = ws_ + (rw.rg * 16 + g) * pitch + 16 * t;  // rows g and g + 8 of the group: 16 e4m3 a 64-element chunk
+  const u8* xrow = xs + g * xpitch + 32 * t;                 // token g: the matching 16 bf16
   const bool has_x = g < p.M;
   const u8* sw_row = p.ws + (i64)(r0 >> 7) * KB;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  mbar_wait(&bars[rg], 0);
-  for (int kb = kb0; kb < kb1; ++kb) {
+  if (rw.kb1 > rw.kb0) mbar_wait(&bars[rw.bar], 0);
+  for (int kb = rw.kb0; kb < rw.kb1; ++kb) {
     float blk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -172,5 +209,5 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_bf16x_m8(
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[i] += blk[i] * sw;
   }
-  rows_reduce_store(p, r0, red, acc, rg * 16 + g, 2 * t, kp, shares);
+  rows_reduce_store(p, r0, red, acc, rw.rg * 16 + g, 2 * t, rw.kp, rw.shares);
 }

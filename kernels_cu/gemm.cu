@@ -41,12 +41,6 @@ struct GemmParams {
 enum { FMT_FP8 = 0, FMT_FP4 = 1 };
 enum { EPI_STORE_BF16 = 0, EPI_SWIGLU = 1 };
 
-DSUF_DEVICE uint2 ld_nc8(const void* p) {
-  uint2 v;
-  asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
 DSUF_DEVICE u32 ld_nc4(const void* p) {
   u32 v;
   asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
@@ -138,8 +132,9 @@ DSUF_DEVICE void fp8_tile(const GemmParams& p, const u8* w, const u8* ws_row, in
 // FP4 weights (permuted chunks, per-32 scales): warp rows [row0, row0 + 16), 128-element chunks
 // [kc0, kc1), double-buffered like fp8_tile; a fresh mma per 32-element k-step, since every step
 // has its own weight scale. The CTA first copies its K range of every column's activations into
-// shared memory, already in B-fragment order (xs[step * 32 + lane] = {b0, b1} of that lane for
-// that k-step; zeros for absent columns), with their scales times 64 (xsc[chunk * 8 + column]),
+// shared memory, already in B-fragment order and converted to f16 once for all warps
+// (xs[step * 32 + lane] = {b0, b1} of that lane for that k-step in mma_e4m3_f16b's form; zeros
+// for absent columns), with their scales times 64 (xsc[chunk * 8 + column]),
 // so the loop's only global loads are the weights and their scales: 20 registers a stage at
 // U = 2 (40 with the activations in registers), 3-4 CTAs an SM instead of 2. A CTA covers at most
 // FP4_MAX_CHUNKS chunks (the host picks enough splits). With a single column (batch 1) only the
@@ -175,7 +170,7 @@ DSUF_DEVICE float e8m0_byte(u32 s) {
 }
 
 template <int U, bool SINGLE>
-DSUF_DEVICE void fp4_compute_s(const Fp4WStage<U>& st, const uint2* xs, const float2* xsc, int kc, int kc1, float acc[4]) {
+DSUF_DEVICE void fp4_compute_s(const Fp4WStage<U>& st, const uint4* xs, const float2* xsc, int kc, int kc1, float acc[4]) {
   const int lane = threadIdx.x & 31, t = lane & 3;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -191,9 +186,8 @@ DSUF_DEVICE void fp4_compute_s(const Fp4WStage<U>& st, const uint2* xs, const fl
       if (i == 1) swg = e8m0_byte<1>(st.s[u][0]), swg8 = e8m0_byte<1>(st.s[u][1]);
       if (i == 2) swg = e8m0_byte<2>(st.s[u][0]), swg8 = e8m0_byte<2>(st.s[u][1]);
       if (i == 3) swg = e8m0_byte<3>(st.s[u][0]), swg8 = e8m0_byte<3>(st.s[u][1]);
-      const uint2 b = xs[((kc + u) * 4 + i) * 32 + lane];
       float d[4];
-      mma_e4m3(d, a0, a1, a2, a3, b.x, b.y);
+      mma_e4m3_f16b(d, a0, a1, a2, a3, xs[((kc + u) * 4 + i) * 32 + lane]);
       acc[0] += d[0] * (swg * sc.x);
       acc[2] += d[2] * (swg8 * sc.x);
       if (!SINGLE) {
@@ -205,15 +199,15 @@ DSUF_DEVICE void fp4_compute_s(const Fp4WStage<U>& st, const uint2* xs, const fl
 }
 
 // Activations of chunks [kc0, kc1) of the CTA's columns into shared memory (see above).
-DSUF_DEVICE void fp4_stage_x(const GemmParams& p, const int* col_xrow, int cols, int kc0, int kc1, uint2* xs, float* xsc) {
+DSUF_DEVICE void fp4_stage_x(const GemmParams& p, const int* col_xrow, int cols, int kc0, int kc1, uint4* xs, float* xsc) {
   const int K = p.K, KB = K >> 7, n = (kc1 - kc0) * 128;
   for (int e = threadIdx.x; e < n; e += blockDim.x) {
     const int lane = e & 31, step = e >> 5, g = lane >> 2, t = lane & 3;
-    uint2 v = make_uint2(0, 0);
+    uint4 v = make_uint4(0, 0, 0, 0);
     if (g < cols) {
       const uint2 x = ld_nc8(p.xq + (i64)col_xrow[g] * K + (i64)(kc0 * 4 + step) * 32 + 8 * t);
       // Logical k 4t+b <-> element 8t+2b of the step (low nibbles), 16+4t+b <-> 8t+2b+1.
-      v = make_uint2(__byte_perm(x.x, x.y, 0x6420), __byte_perm(x.x, x.y, 0x7531));
+      v = e4m3_b_to_f16(__byte_perm(x.x, x.y, 0x6420), __byte_perm(x.x, x.y, 0x7531));
     }
     xs[e] = v;
   }
@@ -225,7 +219,7 @@ DSUF_DEVICE void fp4_stage_x(const GemmParams& p, const int* col_xrow, int cols,
 
 template <int U, bool SINGLE>
 DSUF_DEVICE void fp4_tile_s(const GemmParams& p, const u8* w, const u8* ws, int row0, int kc0, int kc1,
-                            const int* col_xrow, int cols, uint2* xs, float* xsc, float acc[4]) {
+                            const int* col_xrow, int cols, uint4* xs, float* xsc, float acc[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, K = p.K;
   const u8* wa = w + (i64)(row0 + g) * (K >> 1) + 16 * (lane & 3);
   const u8* sa = ws + (i64)(row0 + g) * (K >> 5);
@@ -246,7 +240,7 @@ DSUF_DEVICE void fp4_tile_s(const GemmParams& p, const u8* w, const u8* ws, int 
 template <int U>
 DSUF_DEVICE void fp4_main(const GemmParams& p, const u8* w, const u8* ws, int row0, int kc0, int kc1,
                           const int* col_xrow, int cols, float acc[4]) {
-  __shared__ __align__(16) uint2 xs[FP4_MAX_CHUNKS * 128];
+  __shared__ __align__(16) uint4 xs[FP4_MAX_CHUNKS * 128];
   __shared__ __align__(16) float xsc[FP4_MAX_CHUNKS * 8];
   if (cols == 1) {
     fp4_tile_s<U, true>(p, w, ws, row0, kc0, kc1, col_xrow, cols, xs, xsc, acc);

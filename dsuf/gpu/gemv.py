@@ -26,7 +26,7 @@ import ctypes
 import torch
 
 from .dense import DENSE_MIN_ROWS, fp8_weight_bf16
-from .linear import BLOCK, ROWS_TOKENS, rows_per_cta, scale_bytes, sm_count
+from .linear import BLOCK, ROWS_THREADS, ROWS_TOKENS, rows_per_cta, scale_bytes, sm_count
 from .runtime import get_kernel
 
 TILE = 64  # weight rows a CTA
@@ -71,8 +71,8 @@ class RowsBf16Params(ctypes.Structure):
 
 def rows_bf16x_shared_bytes(rows: int, k: int, m: int) -> int:
     """fp8_rows_bf16x_m8's shared memory: its rows of e4m3 (K + 64 bytes each), m token rows of
-    bf16 (2K + 16 bytes each) and 4 KB of partial sums."""
-    return rows * (k + 64) + m * (2 * k + 16) + 4096
+    bf16 (2K + 16 bytes each) and 8 KB of partial sums."""
+    return rows * (k + 64) + m * (2 * k + 16) + 8192
 
 
 def _tokens(m: int) -> int:
@@ -191,7 +191,7 @@ def fp8_grouped_gemv(
     if rows_cta is not None and splits is None:
         shared = rows_bf16x_shared_bytes(rows_cta, k, m)
         p = RowsBf16Params(w.data_ptr(), ws.data_ptr(), x.data_ptr(), out.data_ptr(), rows, k, m, rows_cta, x.stride(0), n)
-        get_kernel("fp8_rows", "fp8_rows_bf16x_m8", w.device)((rows // rows_cta, 1, 1), 256, [p], shared=shared)
+        get_kernel("fp8_rows", "fp8_rows_bf16x_m8", w.device)((rows // rows_cta, 1, 1), ROWS_THREADS, [p], shared=shared)
         return out
     _launch(FP8, w, ws, x, out, k, n, splits)
     return out

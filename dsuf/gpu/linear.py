@@ -27,7 +27,8 @@ CTA_ROWS = 128  # output rows per CTA
 
 
 ROWS_TOKENS = 8  # fp8_rows: tokens a launch
-ROWS_SHARED_MAX = 200 << 10  # fp8_rows: a CTA's rows, 8 activation rows and 4 KB of sums
+ROWS_SHARED_MAX = 224 << 10  # fp8_rows: a CTA's rows, its tokens' activations and scales, 8 KB of sums
+ROWS_THREADS = 512  # fp8_rows: threads a CTA (16 warps: row groups x K shares)
 
 
 class RowsParams(ctypes.Structure):
@@ -46,8 +47,10 @@ class RowsParams(ctypes.Structure):
     ]
 
 
-def rows_shared_bytes(rows: int, k: int) -> int:
-    return (rows + ROWS_TOKENS) * (k + 64) + 4096
+def rows_shared_bytes(rows: int, k: int, m: int) -> int:
+    """fp8_rows_m8's shared memory: its rows of e4m3 (K + 64 bytes each), m tokens' activations as
+    f16 (2K bytes each), the K blocks' scales of 8 tokens (K / 4 bytes) and 8 KB of partial sums."""
+    return rows * (k + 64) + m * 2 * k + k // 4 + 8192
 
 
 def rows_per_cta(n: int, sms: int, shared_bytes: Callable[[int], int], divides: int | None = None) -> int | None:
@@ -148,7 +151,6 @@ class Fp8Linear:
         self.weight = weight.contiguous()
         self.scale = scale_bytes(scale)
         self.counter = torch.zeros(n // CTA_ROWS, dtype=torch.int32, device=weight.device)
-        self.rows = rows_per_cta(n, sm_count(weight.device), lambda rows: rows_shared_bytes(rows, k))
 
     @property
     def out_features(self) -> int:
@@ -172,9 +174,12 @@ class Fp8Linear:
             return out.copy_(y) if out is not None else y
         if out is None:
             out = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
-        if m <= ROWS_TOKENS and self.rows is not None:
-            p = RowsParams(self.weight.data_ptr(), self.scale.data_ptr(), xq.data_ptr(), sx.data_ptr(), out.data_ptr(), n, self.in_features, m, self.rows)
-            get_kernel("fp8_rows", "fp8_rows_m8", xq.device)((n // self.rows, 1, 1), 256, [p], shared=rows_shared_bytes(self.rows, self.in_features))
+        k = self.in_features
+        takes = m <= ROWS_TOKENS and k // BLOCK * ROWS_TOKENS <= ROWS_THREADS  # a thread a (K block, token) scale
+        rows = rows_per_cta(n, sm_count(xq.device), lambda rows: rows_shared_bytes(rows, k, m)) if takes else None
+        if rows is not None:
+            p = RowsParams(self.weight.data_ptr(), self.scale.data_ptr(), xq.data_ptr(), sx.data_ptr(), out.data_ptr(), n, k, m, rows)
+            get_kernel("fp8_rows", "fp8_rows_m8", xq.device)((n // rows, 1, 1), ROWS_THREADS, [p], shared=rows_shared_bytes(rows, k, m))
             return out
         for lo in range(0, m, MAX_TOKENS):
             hi = min(m, lo + MAX_TOKENS)

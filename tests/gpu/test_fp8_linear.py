@@ -80,7 +80,7 @@ def test_fp8_rows_equals_the_reference(cuda, name, m):
     from dsuf.gpu.linear import rows_per_cta, rows_shared_bytes, sm_count
 
     n, k = {**SHAPES, **TP2_SHAPES}[name]
-    assert rows_per_cta(n, sm_count(cuda), lambda rows: rows_shared_bytes(rows, k)) is not None, "fp8_rows should take this shape"
+    assert rows_per_cta(n, sm_count(cuda), lambda rows: rows_shared_bytes(rows, k, m)) is not None, "fp8_rows should take this shape"
     w, s = random_fp8_weight(n, k, cuda)
     x = random_activations(m, k, cuda)
     lin = Fp8Linear(w, s)
