@@ -38,12 +38,17 @@ struct RowIn {
   uint4 raw[VPT][N > 0 ? N : 1];
 };
 
-template <int N>
+// Rows are handled by TPR threads each: 256 (a CTA a row) or 32 (a warp a row, 8 rows a CTA: rows
+// of D <= 32 * 8 * VPT, many of them, e.g. a prompt chunk's per-head norms).
+template <int TPR>
+DSUF_DEVICE int row_of_thread() { return blockIdx.x * (256 / TPR) + threadIdx.x / TPR; }
+
+template <int N, int TPR = 256>
 DSUF_DEVICE void load_row(const u16* __restrict__ x, int D, RowIn<N>& in) {
-  const int row = blockIdx.x;
+  const int row = row_of_thread<TPR>();
 #pragma unroll
   for (int v = 0; v < VPT; ++v) {
-    const int d = (threadIdx.x + v * 256) * 8;
+    const int d = (threadIdx.x % TPR + v * TPR) * 8;
     if (d < D) {
 #pragma unroll
       for (int i = 0; i < (N > 0 ? N : 1); ++i) in.raw[v][i] = *reinterpret_cast<const uint4*>(x + ((i64)row * (N > 0 ? N : 1) + i) * D + d);
@@ -53,17 +58,17 @@ DSUF_DEVICE void load_row(const u16* __restrict__ x, int D, RowIn<N>& in) {
 
 // pre: the row's N collapse coefficients (N > 0); cos_t / sin_t [positions, 32] or null (no
 // rotation); row r is at position r / per_pos.
-template <int N>
+template <int N, int TPR = 256>
 DSUF_DEVICE void norm_row(const RowIn<N>& in, const float* __restrict__ pre, const float* __restrict__ w, u16* __restrict__ out,
                           u8* __restrict__ xq, float* __restrict__ sx, int D, float eps,
                           const float* __restrict__ cos_t = nullptr, const float* __restrict__ sin_t = nullptr, int per_pos = 1) {
   __shared__ double partial[8];
-  const int row = blockIdx.x;
+  const int row = row_of_thread<TPR>();
   float y[VPT][8];
   double ss = 0.0;
 #pragma unroll
   for (int v = 0; v < VPT; ++v) {
-    const int d = (threadIdx.x + v * 256) * 8;
+    const int d = (threadIdx.x % TPR + v * TPR) * 8;
     if (d >= D) break;
     if (N > 0) {
       double s[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
@@ -91,16 +96,19 @@ DSUF_DEVICE void norm_row(const RowIn<N>& in, const float* __restrict__ pre, con
     for (int k = 0; k < 8; ++k) ss += (double)y[v][k] * (double)y[v][k];
   }
   ss = warp_sum(ss);
-  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  double total = 0.0;
+  double total = ss;
+  if (TPR == 256) {
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    total = 0.0;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) total += partial[i];
+    for (int i = 0; i < 8; ++i) total += partial[i];
+  }
   const float r = (float)(1.0 / sqrt(total / D + (double)eps));
 
 #pragma unroll
   for (int v = 0; v < VPT; ++v) {
-    const int d = (threadIdx.x + v * 256) * 8;
+    const int d = (threadIdx.x % TPR + v * TPR) * 8;
     if (d >= D) break;
     u32 o[4];
 #pragma unroll
@@ -136,6 +144,25 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_rope_bf16(
   RowIn<0> in;
   load_row(x, D, in);
   norm_row(in, nullptr, w, out, nullptr, nullptr, D, eps, cos_t, sin_t, per_pos);
+}
+
+// The same two kernels with a warp a row, 8 rows a CTA (D <= 1024; rows: the row count).
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_warp_bf16(
+    const u16* x, const float* w, u16* out, u8* xq, float* sx, int D, float eps, int rows) {
+  pdl_begin();
+  if (row_of_thread<32>() >= rows) return;  // a whole warp: its row is past the end
+  RowIn<0> in;
+  load_row<0, 32>(x, D, in);
+  norm_row<0, 32>(in, nullptr, w, out, xq, sx, D, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_rope_warp_bf16(
+    const u16* x, const float* w, u16* out, int D, float eps, const float* cos_t, const float* sin_t, int per_pos, int rows) {
+  pdl_begin();
+  if (row_of_thread<32>() >= rows) return;
+  RowIn<0> in;
+  load_row<0, 32>(x, D, in);
+  norm_row<0, 32>(in, nullptr, w, out, nullptr, nullptr, D, eps, cos_t, sin_t, per_pos);
 }
 
 // X [rows, 4, D] bf16 streams, pre [rows, 4] float32, w [D] float32 -> out [rows, D] bf16 (and

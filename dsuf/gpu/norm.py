@@ -14,6 +14,16 @@ from .runtime import get_kernel, ptr
 
 MAX_DIM = 8192
 HC_STREAMS = 4  # the mHC streams the collapse kernels take (HC_N in mhc.cuh)
+WARP_ROW_DIM = 1024  # rows this short (8 elements a lane, 4 passes) can take a warp each ...
+WARP_ROWS_MIN = 2048  # ... and do, from this many rows (a prompt chunk's per-head norms): 8 rows a CTA
+
+
+def _rows_launch(name: str, rows: int, d: int, device: torch.device, args: list) -> None:
+    """One rmsnorm.cu kernel over `rows` rows of d: a CTA a row, or its _warp variant (a warp a row)."""
+    if d <= WARP_ROW_DIM and rows >= WARP_ROWS_MIN:
+        get_kernel("rmsnorm", name.replace("_bf16", "_warp_bf16"), device)((-(-rows // 8), 1, 1), 256, [*args, ctypes.c_int(rows)])
+    else:
+        get_kernel("rmsnorm", name, device)((rows, 1, 1), 256, args)
 
 
 def _check_dim(d: int) -> None:
@@ -59,9 +69,7 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> Fp
     _check_dim(d)
     out = fp8_rows(t, d, x.device)
     if t:
-        get_kernel("rmsnorm", "rmsnorm_bf16", x.device)(
-            (t, 1, 1), 256, [ptr(x.contiguous()), ptr(_weight(weight, d)), ptr(None), *_fp8_ptrs(out, t, d), ctypes.c_int(d), ctypes.c_float(eps)]
-        )
+        _rows_launch("rmsnorm_bf16", t, d, x.device, [ptr(x.contiguous()), ptr(_weight(weight, d)), ptr(None), *_fp8_ptrs(out, t, d), ctypes.c_int(d), ctypes.c_float(eps)])
     return out
 
 
@@ -81,13 +89,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: tup
     io = [ptr(x), ptr(_weight(weight, d)), ptr(out)]
     dims = [ctypes.c_int(d), ctypes.c_float(eps)]
     if rope is None:
-        get_kernel("rmsnorm", "rmsnorm_bf16", x.device)((rows, 1, 1), 256, io + _fp8_ptrs(None, rows, d) + dims)
+        _rows_launch("rmsnorm_bf16", rows, d, x.device, io + _fp8_ptrs(None, rows, d) + dims)
         return out
     cos, sin = (t.float().contiguous() for t in rope)
     positions = x.shape[0]
     if d < 64 or tuple(cos.shape) != (positions, 32) or tuple(sin.shape) != (positions, 32):
         raise ValueError(f"rms_norm: rope needs cos / sin [{positions}, 32] and D >= 64, got {tuple(cos.shape)}, D={d}")
-    get_kernel("rmsnorm", "rmsnorm_rope_bf16", x.device)((rows, 1, 1), 256, io + dims + [ptr(cos), ptr(sin), ctypes.c_int(rows // positions)])
+    _rows_launch("rmsnorm_rope_bf16", rows, d, x.device, io + dims + [ptr(cos), ptr(sin), ctypes.c_int(rows // positions)])
     return out
 
 

@@ -28,6 +28,8 @@ def norm_weight(d: int, device) -> torch.Tensor:
         ("q_norm", 8, 1024, True),
         ("kv_norm", 8, 512, True),
         ("per-head q", 8 * 64, 512, False),
+        ("per-head q, a prompt chunk: a warp a row", 40 * 64, 512, False),
+        ("kv_norm, a prompt chunk: a warp a row, the last CTA part-filled", 2051, 512, True),
     ],
 )
 def test_rms_norm(cuda, what, rows, d, weighted):
@@ -49,8 +51,9 @@ def assert_same_fp8(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Te
 
 
 # q_norm (1024: whole warps a 256-column pass), attn_norm (4096), and 384 (a 128-block ends
-# halfway through a warp: the half-warps of one warp quantise different blocks).
-@pytest.mark.parametrize("rows, d", [(1, 1024), (8, 1024), (3, 4096), (5, 384)])
+# halfway through a warp: the half-warps of one warp quantise different blocks); from 2048 rows
+# of at most 1024, a warp a row.
+@pytest.mark.parametrize("rows, d", [(1, 1024), (8, 1024), (3, 4096), (5, 384), (2051, 1024), (2048, 384)])
 def test_rms_norm_fp8_is_act_quant_of_the_norm(cuda, rows, d):
     """The norm's output FP8-quantised in the same launch, as act_quant quantises the bf16 norm
     (the q path hands it straight to wq_b)."""
@@ -73,7 +76,9 @@ def test_hc_collapse_rms_norm(cuda, tokens):
     assert_same_fp8(quantized, act_quant(out), f"hc_collapse + rms_norm fp8_out [{tokens}]")
 
 
-@pytest.mark.parametrize("shape, weighted", [((8, 32, 512), False), ((8, 64, 512), False), ((1, 512), True), ((8, 512), True)])
+@pytest.mark.parametrize(
+    "shape, weighted", [((8, 32, 512), False), ((8, 64, 512), False), ((1, 512), True), ((8, 512), True), ((40, 64, 512), False), ((2051, 512), True)]
+)
 def test_rms_norm_with_rope_is_the_norm_then_the_rotation(cuda, shape, weighted):
     """The per-head q norm and the kv norm, each with its RoPE in the same launch: bit for bit
     what rms_norm then rope_ give (rows of one position share its cos / sin)."""
