@@ -11,6 +11,7 @@
 //                    `iters` rounds in all); grid (T), one warp (lane 4j + k holds comb[j, k]).
 //   hc_expand:       X'_k = f32(post_k * out) + f32(sum_j comb[j, k] X_j (float64)), to bf16;
 //                    grid (D / 2048, T), 256 threads x 8 dims.
+//   hc_sum_squares:  a prompt chunk's sum(flat_t^2) in float64 (its dots: a float64 matmul).
 // At decode a site's block input rms_norm(hc_collapse(X, pre)) needs only the mixes and pre:
 // rmsnorm.cu's hc_pre_collapse_rmsnorm_bf16 takes the mixes and forms pre itself, while
 // hc_coefficients makes post and comb (used only at the site's expand) on another stream.
@@ -74,6 +75,33 @@ extern "C" __global__ void __launch_bounds__(MIX_THREADS) hc_mixes(
       mix[(i64)tok * rows + r] = __fmul_rn((float)d, rs);
     }
     __syncthreads();  // part is read before the next token writes it
+  }
+}
+
+// A prompt chunk's RMS statistic of the mixes: ssq[t] = sum of x[t, :]^2 over the n*D stream
+// values in float64 (their dot products with fn are a float64 matmul); x [T, L] bf16, L % 8 == 0;
+// grid (T), 256 threads. (The reference squares a float64 copy of the streams, then averages.)
+extern "C" __global__ void __launch_bounds__(256) hc_sum_squares(const u16* __restrict__ x, double* __restrict__ ssq, int L) {
+  __shared__ double part[8];
+  pdl_begin();
+  const u16* row = x + (i64)blockIdx.x * L;
+  double s = 0.0;
+  for (int i = 8 * threadIdx.x; i < L; i += 8 * 256) {
+    const uint4 v = *reinterpret_cast<const uint4*>(row + i);
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const double f = bf16_to_f32(k & 1 ? w[k >> 1] >> 16 : w[k >> 1] & 0xffff);
+      s += f * f;
+    }
+  }
+  s = warp_sum(s);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double t = 0.0;
+    for (int w = 0; w < 8; ++w) t += part[w];
+    ssq[blockIdx.x] = t;
   }
 }
 

@@ -2,8 +2,8 @@
 coefficients (`layers.HyperConnection.coefficients`), the block input it collapses the streams
 into (`HcSite.block_input`: rms_norm(hc_collapse(x, pre))) and the stream update
 (`layers.hc_expand`), numerically the reference's (float64 sums, float32 rounding where it
-rounds). A prompt chunk's mixes are the reference's own float64 matmul (cuBLAS), which beats the
-per-token kernels there."""
+rounds). A prompt chunk's mixes are a float64 matmul (cuBLAS), which beats the per-token kernels
+there, and a kernel's float64 sums of squares."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import ctypes
 from dataclasses import dataclass
 
 import torch
-
-from dsuf.model.layers import HyperConnection
 
 from .dense import DENSE_MIN_ROWS
 from .norm import Fp8Rows, fp8_rows, hc_collapse_rms_norm, hc_pre_collapse_rms_norm
@@ -74,8 +72,20 @@ class HcSite:
         self._check(x)
         x = x.contiguous()
         if x.shape[0] >= DENSE_MIN_ROWS:
-            return self._from_mixes(HyperConnection(self.fn, self.base, self.scale).mixes(x, self.norm_eps).contiguous())
+            return self._from_mixes(self._chunk_mixes(x))
         return self._from_mixes(self._mixes(x))
+
+    def _chunk_mixes(self, x: torch.Tensor) -> torch.Tensor:
+        """A prompt chunk's mixes float32 [T, 24] of contiguous streams x, as HyperConnection.mixes
+        computes them: the dot products a float64 matmul (cuBLAS), the RMS statistic's float64
+        squares summed by hc_sum_squares from the bf16 streams (not a float64 copy squared)."""
+        t = x.shape[0]
+        flat = x.flatten(1)
+        ssq = torch.empty(t, dtype=torch.float64, device=x.device)
+        get_kernel("mhc", "hc_sum_squares", x.device)((t, 1, 1), 256, [ptr(flat), ptr(ssq), ctypes.c_int(flat.shape[1])])
+        rsqrt = torch.rsqrt(ssq / flat.shape[1] + self.norm_eps)
+        dots = torch.nn.functional.linear(flat.double(), self.fn.double())
+        return (dots.float() * rsqrt.float()[:, None]).contiguous()
 
     def _mixes(self, x: torch.Tensor) -> torch.Tensor:
         """The site's mixes float32 [T, 24] of contiguous streams x (decode sizes)."""
