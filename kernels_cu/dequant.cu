@@ -33,8 +33,16 @@ DSUF_DEVICE float e2m1_value(u32 code) {
   return code & 8 ? -mag : mag;
 }
 
+// A kernel-layout FP4 word's bits back in the checkpoint's places (moe.permute_fp4): byte j's low
+// nibble its even element's code, the high nibble its odd element's.
+DSUF_DEVICE u32 fp4_word_codes(u32 w) {
+  const u32 odd = (w & 0x80808080u) | ((w & 0x1c1c1c1cu) << 2);
+  const u32 even = ((w & 0x20202020u) >> 2) | (w & 0x02020202u) | ((w & 0x40404040u) >> 6) | ((__funnelshift_r(w, w, 8) & 0x01010101u) << 2);
+  return odd | even;
+}
+
 // Stacked FP4 experts in the MoE kernels' layout (moe.permute_fp4: in each 64-byte chunk of a row,
-// new word 4t + i holds old word 4i + t), rows of K/2 bytes, with E8M0 scales [rows, K/32] ->
+// new word 4t + i holds old word 4i + t, its bits placed anew), rows of K/2 bytes, with E8M0 scales [rows, K/32] ->
 // bf16. Row r (expert r / N, row r % N of it) goes to out + (r / N) * out_stride + (r % N) * K, so
 // two experts' matrices can be written side by side (w1 and w3 into one [E, 2N, K] buffer). A
 // thread converts four consecutive words (one 16-byte load), each 8 consecutive elements; the
@@ -58,7 +66,7 @@ extern "C" __global__ void __launch_bounds__(256) fp4_weight_bf16(const u8* __re
   for (int q = 0; q < 4; ++q) {
     const int in_row = first + q, chunk = in_row >> 4, moved = in_row & 15;
     const int col = chunk * 128 + ((moved & 3) * 4 + (moved >> 2)) * 8;  // new word 4t + i held old word 4i + t
-    const u32 word = q == 0 ? packed.x : q == 1 ? packed.y : q == 2 ? packed.z : packed.w;
+    const u32 word = fp4_word_codes(q == 0 ? packed.x : q == 1 ? packed.y : q == 2 ? packed.z : packed.w);
     const float scale = e8m0_to_f32(scales[col / 32]);
     u32 o[4];
 #pragma unroll

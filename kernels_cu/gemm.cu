@@ -8,7 +8,8 @@
 //   FP4: experts stacked [E, N, K/2], two e2m1 codes a byte (even element low), E8M0 scales
 //        [E, N, K/32]; each 64-byte chunk of a row (128 elements) is pre-permuted by
 //        dsuf.gpu.moe.permute_fp4 so that one 16-byte load gives a lane its words for all four
-//        k-steps of the chunk: new[16t + 4i + b] = old[16i + 4t + b].
+//        k-steps of the chunk: new[16t + 4i + b] = old[16i + 4t + b]; the bits of each word are
+//        placed for a cheap conversion to e4m3 (fp4_odd_e4m3, fp4_even_e4m3).
 //
 // mma.m16n8k32 fragments (PTX ISA), lane = 4g + t: A (16x32, row) a0 = row g, k 4t..4t+3;
 // a1 = row g+8, same k; a2/a3 = the same rows at k 16+4t..; B (32x8, col) b0 = column g,
@@ -47,11 +48,12 @@ DSUF_DEVICE u32 ld_nc4(const void* p) {
   return v;
 }
 
-// e2m1 codes to e4m3 bytes holding value * 2**-6 (exact: the 3 magnitude bits slide into the
-// e4m3 exponent/mantissa fields, subnormals included). Low nibbles (even elements) and high
-// nibbles (odd elements) go to separate words.
-DSUF_DEVICE u32 e2m1_lo_to_e4m3(u32 w) { return ((w & 0x08080808u) << 4) | ((w & 0x07070707u) << 2); }
-DSUF_DEVICE u32 e2m1_hi_to_e4m3(u32 w) { return (w & 0x80808080u) | ((w & 0x70707070u) >> 2); }
+// A kernel-layout FP4 word (moe.permute_fp4) to two words of e4m3 bytes holding value * 2**-6
+// (exact: an e2m1 code's 3 magnitude bits are the e4m3 exponent's low bits and mantissa's top
+// bit, subnormals included): byte j of `odd` from byte j's odd element, of `even` from its even
+// element. The load-time bit layout makes `odd` one mask and `even` two rotations and masks.
+DSUF_DEVICE u32 fp4_odd_e4m3(u32 w) { return w & 0x9c9c9c9cu; }
+DSUF_DEVICE u32 fp4_even_e4m3(u32 w) { return (__funnelshift_l(w, w, 2) & 0x88888888u) | (__funnelshift_r(w, w, 4) & 0x14141414u); }
 
 // Where a lane's activation columns live: xb[j] = row of column j*8 + g (its B fragment),
 // xa[j] / xa1[j] = rows of columns j*8 + 2t and j*8 + 2t + 1 (its accumulators); -1: no column.
@@ -179,8 +181,8 @@ DSUF_DEVICE void fp4_compute_s(const Fp4WStage<U>& st, const uint4* xs, const fl
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const u32 wg = word(st.w[u][0], i), wg8 = word(st.w[u][1], i);
-      const u32 a0 = e2m1_lo_to_e4m3(wg), a1 = e2m1_lo_to_e4m3(wg8);
-      const u32 a2 = e2m1_hi_to_e4m3(wg), a3 = e2m1_hi_to_e4m3(wg8);
+      const u32 a0 = fp4_even_e4m3(wg), a1 = fp4_even_e4m3(wg8);
+      const u32 a2 = fp4_odd_e4m3(wg), a3 = fp4_odd_e4m3(wg8);
       float swg, swg8;
       if (i == 0) swg = e8m0_byte<0>(st.s[u][0]), swg8 = e8m0_byte<0>(st.s[u][1]);
       if (i == 1) swg = e8m0_byte<1>(st.s[u][0]), swg8 = e8m0_byte<1>(st.s[u][1]);

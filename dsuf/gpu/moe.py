@@ -44,12 +44,18 @@ def permute_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Checkpoint-layout packed FP4 [..., K/2] (int8/uint8) to the kernel layout (uint8): in every
     64-byte chunk (128 elements) the sixteen 4-byte words are transposed as a 4x4 matrix,
     new[16t + 4i + b] = old[16i + 4t + b], so one 16-byte load gives a lane the word of each of
-    the chunk's four 32-element k-steps (kernels_cu/gemm.cu)."""
+    the chunk's four 32-element k-steps; then the bits of each word are placed so that the
+    kernels (kernels_cu/gemm.cu, fp4_e4m3) turn it into e4m3 in few operations: byte j holds its
+    odd element's code (s, e1, e0, m) at bits 7, 4, 3, 2, its even element's s, e0, m at bits 5,
+    1, 6, and bit 0 holds the e1 of byte j - 1's even element (byte 0: byte 3's)."""
     u = packed.contiguous().view(torch.uint8)
     if u.shape[-1] % 64:
         raise ValueError(f"permute_fp4: packed rows must be a multiple of 64 bytes, got {u.shape[-1]}")
     chunks = u.reshape(*u.shape[:-1], u.shape[-1] // 64, 4, 4, 4)  # [..., chunk, i, t, b]
-    return chunks.transpose(-3, -2).contiguous().reshape(u.shape)
+    old = chunks.transpose(-3, -2).contiguous()
+    before = old.roll(1, dims=-1)  # byte j - 1 of the same word
+    new = (old & 0x80) | ((old & 0x70) >> 2) | ((old & 0x08) << 2) | (old & 0x02) | ((old & 0x01) << 6) | ((before & 0x04) >> 2)
+    return new.reshape(u.shape)
 
 
 @dataclass
