@@ -45,9 +45,10 @@ def permute_fp4(packed: torch.Tensor) -> torch.Tensor:
     64-byte chunk (128 elements) the sixteen 4-byte words are transposed as a 4x4 matrix,
     new[16t + 4i + b] = old[16i + 4t + b], so one 16-byte load gives a lane the word of each of
     the chunk's four 32-element k-steps; then the bits of each word are placed so that the
-    kernels (kernels_cu/gemm.cu, fp4_e4m3) turn it into e4m3 in few operations: byte j holds its
-    odd element's code (s, e1, e0, m) at bits 7, 4, 3, 2, its even element's s, e0, m at bits 5,
-    1, 6, and bit 0 holds the e1 of byte j - 1's even element (byte 0: byte 3's)."""
+    kernels (kernels_cu/gemm.cu: fp4_odd_e4m3, fp4_even_e4m3) turn it into e4m3 in few
+    operations: byte j holds its odd element's code (s, e1, e0, m) at bits 7, 4, 3, 2, its even
+    element's s, e0, m at bits 5, 1, 6, and bit 0 holds the e1 of byte j - 1's even element (byte
+    0: byte 3's)."""
     u = packed.contiguous().view(torch.uint8)
     if u.shape[-1] % 64:
         raise ValueError(f"permute_fp4: packed rows must be a multiple of 64 bytes, got {u.shape[-1]}")
