@@ -151,6 +151,11 @@ class Fp8Linear:
         self.weight = weight.contiguous()
         self.scale = scale_bytes(scale)
         self.counter = torch.zeros(n // CTA_ROWS, dtype=torch.int32, device=weight.device)
+        # fp8_rows' rows a CTA for m = 1..ROWS_TOKENS tokens (its shared memory grows with m), or
+        # None: K too long for a thread a (K block, token) scale, or no choice fits.
+        takes = k // BLOCK * ROWS_TOKENS <= ROWS_THREADS
+        sms = sm_count(weight.device)
+        self.rows = [rows_per_cta(n, sms, lambda r, m=m: rows_shared_bytes(r, k, m)) if takes else None for m in range(ROWS_TOKENS + 1)]
 
     @property
     def out_features(self) -> int:
@@ -175,8 +180,7 @@ class Fp8Linear:
         if out is None:
             out = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
         k = self.in_features
-        takes = m <= ROWS_TOKENS and k // BLOCK * ROWS_TOKENS <= ROWS_THREADS  # a thread a (K block, token) scale
-        rows = rows_per_cta(n, sm_count(xq.device), lambda rows: rows_shared_bytes(rows, k, m)) if takes else None
+        rows = self.rows[m] if m <= ROWS_TOKENS else None
         if rows is not None:
             p = RowsParams(self.weight.data_ptr(), self.scale.data_ptr(), xq.data_ptr(), sx.data_ptr(), out.data_ptr(), n, k, m, rows)
             get_kernel("fp8_rows", "fp8_rows_m8", xq.device)((n // rows, 1, 1), ROWS_THREADS, [p], shared=rows_shared_bytes(rows, k, m))
