@@ -306,6 +306,38 @@ DSUF_DEVICE float4 ld_cluster_f4(u32 addr, u32 rank) {
   return v;
 }
 
+// ---- warpgroup mma (sm_90a only: Blackwell has none) ----
+
+// Shared-memory matrix descriptor without swizzle: the start address, LBO (bytes between core
+// matrices adjacent in K) and SBO (adjacent in M or N); a core matrix is 8 rows of 16 bytes, 128
+// contiguous bytes.
+DSUF_DEVICE u64 wgmma_desc(const void* p, u32 lbo, u32 sbo) {
+  return (u64)((smem_addr(p) >> 4) & 0x3fff) | ((u64)((lbo >> 4) & 0x3fff) << 16) | ((u64)((sbo >> 4) & 0x3fff) << 32);
+}
+
+// D = A (64x32 e4m3 of the warpgroup, each warp's 16 rows in registers as mma_e4m3's A) times B
+// (32x8 e4m3 in shared memory, K-major: desc_b), fp32, D as mma_e4m3's per warp; the warpgroup's
+// four warps call it together. Synchronous: it waits for the product, and the register operands
+// are pinned until then (the compiler must not reuse them while the tensor cores read them).
+DSUF_DEVICE void wgmma_e4m3_rs(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %9, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(0));
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+r"(a0), "+r"(a1), "+r"(a2), "+r"(a3)::"memory");
+#else
+  __trap();  // the host picks these kernels on sm_90a only
+#endif
+}
+
+// Generic-proxy shared-memory writes made visible to the tensor cores' (async proxy) reads.
+DSUF_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 // ---- bulk copies global -> shared memory, completed on an mbarrier (sm_90) ----
 
 // One thread: n barriers each expecting one arrival (the thread that posts the copies), made

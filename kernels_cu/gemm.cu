@@ -171,8 +171,14 @@ DSUF_DEVICE float e8m0_byte(u32 s) {
   return __int_as_float(max(bits, 0x00400000u));
 }
 
-template <int U, bool SINGLE>
-DSUF_DEVICE void fp4_compute_s(const Fp4WStage<U>& st, const uint4* xs, const float2* xsc, int kc, int kc1, float acc[4]) {
+// The activations of k-step s in the wgmma variant: B of wgmma_e4m3_rs, 256 bytes: two core
+// matrices (logical k 0-15, 16-31) of the 8 columns' 16 bytes, k ordered as mma_e4m3's (see
+// fp4_stage_x).
+#define FP4_WG_STEP_BYTES 256
+
+// xs: the staged activations (fp4_stage_x); with WG, desc0 is the descriptor of their k-step 0.
+template <int U, bool SINGLE, bool WG>
+DSUF_DEVICE void fp4_compute_s(const Fp4WStage<U>& st, const void* xs, u64 desc0, const float2* xsc, int kc, int kc1, float acc[4]) {
   const int lane = threadIdx.x & 31, t = lane & 3;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -189,7 +195,11 @@ DSUF_DEVICE void fp4_compute_s(const Fp4WStage<U>& st, const uint4* xs, const fl
       if (i == 2) swg = e8m0_byte<2>(st.s[u][0]), swg8 = e8m0_byte<2>(st.s[u][1]);
       if (i == 3) swg = e8m0_byte<3>(st.s[u][0]), swg8 = e8m0_byte<3>(st.s[u][1]);
       float d[4];
-      mma_e4m3_f16b(d, a0, a1, a2, a3, xs[((kc + u) * 4 + i) * 32 + lane]);
+      if (WG) {  // the descriptor's address field counts 16 bytes
+        wgmma_e4m3_rs(d, a0, a1, a2, a3, desc0 + (u64)(((kc + u) * 4 + i) * (FP4_WG_STEP_BYTES >> 4)));
+      } else {
+        mma_e4m3_f16b(d, a0, a1, a2, a3, static_cast<const uint4*>(xs)[((kc + u) * 4 + i) * 32 + lane]);
+      }
       acc[0] += d[0] * (swg * sc.x);
       acc[2] += d[2] * (swg8 * sc.x);
       if (!SINGLE) {
@@ -200,61 +210,74 @@ DSUF_DEVICE void fp4_compute_s(const Fp4WStage<U>& st, const uint4* xs, const fl
   }
 }
 
-// Activations of chunks [kc0, kc1) of the CTA's columns into shared memory (see above).
-DSUF_DEVICE void fp4_stage_x(const GemmParams& p, const int* col_xrow, int cols, int kc0, int kc1, uint4* xs, float* xsc) {
+// Activations of chunks [kc0, kc1) of the CTA's columns into shared memory (see above); with WG,
+// as wgmma's B (FP4_WG_STEP_BYTES a k-step, column g's logical k at g * 16 + k % 16 of core matrix
+// k / 16), made visible to the tensor cores.
+template <bool WG>
+DSUF_DEVICE void fp4_stage_x(const GemmParams& p, const int* col_xrow, int cols, int kc0, int kc1, void* xs, float* xsc) {
   const int K = p.K, KB = K >> 7, n = (kc1 - kc0) * 128;
   for (int e = threadIdx.x; e < n; e += blockDim.x) {
     const int lane = e & 31, step = e >> 5, g = lane >> 2, t = lane & 3;
-    uint4 v = make_uint4(0, 0, 0, 0);
+    u32 b0 = 0, b1 = 0;
     if (g < cols) {
       const uint2 x = ld_nc8(p.xq + (i64)col_xrow[g] * K + (i64)(kc0 * 4 + step) * 32 + 8 * t);
       // Logical k 4t+b <-> element 8t+2b of the step (low nibbles), 16+4t+b <-> 8t+2b+1.
-      v = e4m3_b_to_f16(__byte_perm(x.x, x.y, 0x6420), __byte_perm(x.x, x.y, 0x7531));
+      b0 = __byte_perm(x.x, x.y, 0x6420), b1 = __byte_perm(x.x, x.y, 0x7531);
     }
-    xs[e] = v;
+    if (WG) {
+      u8* at = static_cast<u8*>(xs) + step * FP4_WG_STEP_BYTES + g * 16 + 4 * t;
+      *reinterpret_cast<u32*>(at) = b0;
+      *reinterpret_cast<u32*>(at + 128) = b1;
+    } else {
+      static_cast<uint4*>(xs)[e] = e4m3_b_to_f16(b0, b1);
+    }
   }
+  if (WG) fence_proxy_async_smem();
   for (int e = threadIdx.x; e < (kc1 - kc0) * 8; e += blockDim.x) {
     const int c = e & 7, kc = kc0 + (e >> 3);
     xsc[e] = c < cols ? 64.0f * p.sx[(i64)col_xrow[c] * KB + kc] : 0.0f;
   }
 }
 
-template <int U, bool SINGLE>
+template <int U, bool SINGLE, bool WG>
 DSUF_DEVICE void fp4_tile_s(const GemmParams& p, const u8* w, const u8* ws, int row0, int kc0, int kc1,
-                            const int* col_xrow, int cols, uint4* xs, float* xsc, float acc[4]) {
+                            const int* col_xrow, int cols, void* xs, float* xsc, float acc[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, K = p.K;
   const u8* wa = w + (i64)(row0 + g) * (K >> 1) + 16 * (lane & 3);
   const u8* sa = ws + (i64)(row0 + g) * (K >> 5);
   Fp4WStage<U> a, b;
   fp4_load_w(a, wa, sa, K, kc0, kc1);  // weights in flight while the activations are staged
-  fp4_stage_x(p, col_xrow, cols, kc0, kc1, xs, xsc);
+  fp4_stage_x<WG>(p, col_xrow, cols, kc0, kc1, xs, xsc);
   __syncthreads();
   const float2* xsc2 = reinterpret_cast<const float2*>(xsc);
+  const u64 desc0 = WG ? wgmma_desc(xs, 128, FP4_WG_STEP_BYTES) : 0;  // B: k halves 128 bytes apart
   const int n = kc1 - kc0;
   for (int kc = 0; kc < n; kc += 2 * U) {
     if (kc + U < n) fp4_load_w(b, wa, sa, K, kc0 + kc + U, kc1);
-    fp4_compute_s<U, SINGLE>(a, xs, xsc2, kc, n, acc);
+    fp4_compute_s<U, SINGLE, WG>(a, xs, desc0, xsc2, kc, n, acc);
     if (kc + 2 * U < n) fp4_load_w(a, wa, sa, K, kc0 + kc + 2 * U, kc1);
-    if (kc + U < n) fp4_compute_s<U, SINGLE>(b, xs, xsc2, kc + U, n, acc);
+    if (kc + U < n) fp4_compute_s<U, SINGLE, WG>(b, xs, desc0, xsc2, kc + U, n, acc);
   }
 }
 
-template <int U>
+// WG: the k-steps' products by wgmma (a warpgroup's 64 rows a step, the activations read by the
+// tensor cores from shared memory as they are), not two f16 mma.sync of converted operands a warp.
+template <int U, bool WG>
 DSUF_DEVICE void fp4_main(const GemmParams& p, const u8* w, const u8* ws, int row0, int kc0, int kc1,
                           const int* col_xrow, int cols, float acc[4]) {
-  __shared__ __align__(16) uint4 xs[FP4_MAX_CHUNKS * 128];
+  __shared__ __align__(128) uint4 xs[FP4_MAX_CHUNKS * 128 / (WG ? 2 : 1)];  // f16: 32 bytes a lane a step; WG: 256 a step
   __shared__ __align__(16) float xsc[FP4_MAX_CHUNKS * 8];
   if (cols == 1) {
-    fp4_tile_s<U, true>(p, w, ws, row0, kc0, kc1, col_xrow, cols, xs, xsc, acc);
+    fp4_tile_s<U, true, WG>(p, w, ws, row0, kc0, kc1, col_xrow, cols, xs, xsc, acc);
   } else {
-    fp4_tile_s<U, false>(p, w, ws, row0, kc0, kc1, col_xrow, cols, xs, xsc, acc);
+    fp4_tile_s<U, false, WG>(p, w, ws, row0, kc0, kc1, col_xrow, cols, xs, xsc, acc);
   }
 }
 
 DSUF_DEVICE int pair_at(const GemmParams& p, int i) { return p.order ? p.order[i] : i; }
 
-// FP4U: chunks a pipeline stage of the FP4 path (unused for FP8).
-template <int FMT, int MT, int EPI, int FP4U>
+// FP4U: chunks a pipeline stage of the FP4 path, FP4WG: its products by wgmma (both unused for FP8).
+template <int FMT, int MT, int EPI, int FP4U, bool FP4WG = false>
 DSUF_DEVICE void gemm_body(const GemmParams& p) {
   constexpr int MATS = EPI == EPI_SWIGLU ? 2 : 1, COLS = 8 * MT, STRIDE = COLS * 128;
   __shared__ float red[MATS][STRIDE];  // [mat][col * 128 + row]: this CTA's tile, then the sums
@@ -311,7 +334,7 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
     const i64 e = p.expert[pair_at(p, item)];
     const u8* we = p.w[mat] + e * p.N * (p.K >> 1);
     const u8* wse = p.ws[mat] + e * p.N * (p.K >> 5);
-    fp4_main<FP4U>(p, we, wse, row0, kb0, kb1, col_xrow, cols, acc[0]);
+    fp4_main<FP4U, FP4WG>(p, we, wse, row0, kb0, kb1, col_xrow, cols, acc[0]);
   }
 
   const int r = warp * 16 + g;
@@ -422,12 +445,12 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
     gemm_body<FMT, MT, EPI, 1>(p);                                                     \
   }
 
-// FP4 with staged activations: U chunks a pipeline stage, at least BLOCKS CTAs an SM.
-#define DSUF_GEMM_FP4(name, EPI, U, BLOCKS)                                            \
+// FP4 with staged activations: U chunks a pipeline stage, at least BLOCKS CTAs an SM, WG: wgmma.
+#define DSUF_GEMM_FP4(name, EPI, U, BLOCKS, WG)                                        \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS)                           \
       name(const __grid_constant__ GemmParams p) { \
     pdl_begin();                                                                       \
-    gemm_body<FMT_FP4, 1, EPI, U>(p);                                                  \
+    gemm_body<FMT_FP4, 1, EPI, U, WG>(p);                                              \
   }
 
 // Dense FP8 linears for up to 8 * MT tokens (attention projections, the shared expert's w2).
@@ -442,7 +465,12 @@ DSUF_GEMM(fp8_swiglu_m24, FMT_FP8, 3, EPI_SWIGLU)
 DSUF_GEMM(fp8_swiglu_m32, FMT_FP8, 4, EPI_SWIGLU)
 // Routed FP4 experts over (token, expert) pairs, up to 8 tokens of one expert per item: 3 CTAs an
 // SM for few pairs (batch 1: 60.2 µs MoE against 61-65 at 4), 4 for more (batch 8: 164 against 170).
-DSUF_GEMM_FP4(fp4_swiglu_pairs_u2b3, EPI_SWIGLU, 2, 3)
-DSUF_GEMM_FP4(fp4_gemm_bf16_pairs_u2b3, EPI_STORE_BF16, 2, 3)
-DSUF_GEMM_FP4(fp4_swiglu_pairs_u2b4, EPI_SWIGLU, 2, 4)
-DSUF_GEMM_FP4(fp4_gemm_bf16_pairs_u2b4, EPI_STORE_BF16, 2, 4)
+DSUF_GEMM_FP4(fp4_swiglu_pairs_u2b3, EPI_SWIGLU, 2, 3, false)
+DSUF_GEMM_FP4(fp4_gemm_bf16_pairs_u2b3, EPI_STORE_BF16, 2, 3, false)
+DSUF_GEMM_FP4(fp4_swiglu_pairs_u2b4, EPI_SWIGLU, 2, 4, false)
+DSUF_GEMM_FP4(fp4_gemm_bf16_pairs_u2b4, EPI_STORE_BF16, 2, 4, false)
+// The same with wgmma (sm_90a).
+DSUF_GEMM_FP4(fp4_swiglu_pairs_g2b3, EPI_SWIGLU, 2, 3, true)
+DSUF_GEMM_FP4(fp4_gemm_bf16_pairs_g2b3, EPI_STORE_BF16, 2, 3, true)
+DSUF_GEMM_FP4(fp4_swiglu_pairs_g2b4, EPI_SWIGLU, 2, 4, true)
+DSUF_GEMM_FP4(fp4_gemm_bf16_pairs_g2b4, EPI_STORE_BF16, 2, 4, true)

@@ -27,13 +27,15 @@ import torch
 
 from .dense import act_fake_quant, fp4_weight_bf16, fp8_weight_bf16, mm_f32, swiglu
 from .linear import BLOCK, CTA_ROWS, MAX_TOKENS, GemmParams, act_quant, choose_splits, launch_fp8, scale_bytes, sm_count
-from .runtime import get_kernel, ptr
+from .runtime import device_arch, get_kernel, ptr
 
 FP4_BLOCK = 32  # elements per E8M0 scale of an FP4 expert weight
 FP4_MAX_CHUNKS = 16  # 128-element K chunks one CTA of the FP4 kernels covers (gemm.cu)
-# FP4 kernel variant "_uUbB" (U chunks a pipeline stage, B CTAs an SM), or None: by the number of
-# pairs (H200: 3 CTAs an SM at batch 1, 4 at batch 8). FP4_SPLITS overrides split-K. Both are
-# for tools/gpu-check --fp4-sweep; every choice gives the same bits.
+# FP4 kernel variant "_PUbB" (P: the products by mma.sync "u" or by wgmma "g", sm_90a only; U
+# chunks a pipeline stage, B CTAs an SM), or None: P as FP4_PRODUCTS says (None: wgmma on sm_90a),
+# B by the number of pairs (H200: 3 CTAs an SM at batch 1, 4 at batch 8). FP4_SPLITS overrides
+# split-K. For tools/gpu-check --fp4-sweep and the tests; every split gives the same bits.
+FP4_PRODUCTS: str | None = None
 FP4_VARIANT: str | None = None
 FP4_SPLITS: int | None = None
 GROUPED_MIN_TOKENS = 1024  # from here the experts' bf16 copy (read once) beats the FP4 kernels' passes of 8 tokens an expert
@@ -263,7 +265,8 @@ class Moe:
         n, k = w[0].shape[1], xq.shape[1]
         mats = 2 if w_up is not None else 1
         tiles = pairs * (n // CTA_ROWS) * mats
-        variant = FP4_VARIANT or ("_u2b3" if pairs <= 16 else "_u2b4")
+        products = FP4_PRODUCTS or ("g" if device_arch(xq.device) == "sm_90a" else "u")
+        variant = FP4_VARIANT or f"_{products}2b{3 if pairs <= 16 else 4}"
         blocks = int(variant.rsplit("b", 1)[1])
         splits = FP4_SPLITS or choose_splits(tiles, k // BLOCK, blocks * sm_count(xq.device), n * 4 * mats * 2 * pairs, pairs * mats * n * k // 2)
         splits = max(splits, -(-(k // BLOCK) // FP4_MAX_CHUNKS))  # a CTA's activations fit its shared memory

@@ -88,8 +88,20 @@ def by_expert(idx: torch.Tensor, grouped: bool) -> torch.Tensor | None:
     return torch.argsort(idx.reshape(-1), stable=True).int() if grouped else None
 
 
+@pytest.fixture(params=["u", "g"], ids=["mma.sync", "wgmma"])
+def products(request, monkeypatch, cuda):
+    """The FP4 kernels' products by mma.sync (every GPU) or by wgmma (sm_90a only)."""
+    from dsuf.gpu import moe as gpu_moe
+    from dsuf.gpu.runtime import device_arch
+
+    if request.param == "g" and device_arch(cuda) != "sm_90a":
+        pytest.skip("wgmma is sm_90a's")
+    monkeypatch.setattr(gpu_moe, "FP4_PRODUCTS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("tokens, grouped", [(1, False), (8, False), (8, True)])
-def test_routed_gate_up(cuda, moe_pair, tokens, grouped):
+def test_routed_gate_up(cuda, moe_pair, products, tokens, grouped):
     kernel, moe = moe_pair
     x = random_activations(tokens, D, cuda)
     weights, idx = moe.route(x, None)
@@ -112,7 +124,7 @@ def test_routed_gate_up(cuda, moe_pair, tokens, grouped):
 
 
 @pytest.mark.parametrize("tokens, grouped", [(1, False), (8, False), (8, True), (20, True)])
-def test_routed_down(cuda, moe_pair, tokens, grouped):
+def test_routed_down(cuda, moe_pair, products, tokens, grouped):
     """20 tokens over 8 experts: runs of more than 8 pairs of one expert are split."""
     kernel, moe = moe_pair
     idx = torch.stack([torch.randperm(EXPERTS, device=cuda)[:TOPK] for _ in range(tokens)])
