@@ -315,24 +315,49 @@ DSUF_DEVICE u64 wgmma_desc(const void* p, u32 lbo, u32 sbo) {
   return (u64)((smem_addr(p) >> 4) & 0x3fff) | ((u64)((lbo >> 4) & 0x3fff) << 16) | ((u64)((sbo >> 4) & 0x3fff) << 32);
 }
 
-// D = A (64x32 e4m3 of the warpgroup, each warp's 16 rows in registers as mma_e4m3's A) times B
-// (32x8 e4m3 in shared memory, K-major: desc_b), fp32, D as mma_e4m3's per warp; the warpgroup's
-// four warps call it together. Synchronous: it waits for the product, and the register operands
-// are pinned until then (the compiler must not reuse them while the tensor cores read them).
-DSUF_DEVICE void wgmma_e4m3_rs(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc_b) {
+// Warpgroup mma, issued in a group: wgmma_fence() (the register operands are written), then
+// wgmma_e4m3<ACC>: D (+)= A (64x32 e4m3 of the warpgroup, each warp's 16 rows in registers as
+// mma_e4m3's A) times B (32x8 e4m3 in shared memory, K-major: desc_b), fp32, D as mma_e4m3's per
+// warp, the warpgroup's four warps together; then wgmma_wait() for the group's products, after
+// which pin() each register operand so that the compiler kept it unchanged while the tensor cores
+// read it. The three calls of wgmma_e4m3_rs in one.
+DSUF_DEVICE void wgmma_fence() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+
+template <bool ACC>
+DSUF_DEVICE void wgmma_e4m3(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(
       "{\n .reg .pred p;\n setp.ne.b32 p, %9, 0;\n"
       " wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(0));
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "n"(ACC ? 1 : 0));
+#else
+  __trap();  // the host picks the wgmma kernels on sm_90a only
+#endif
+}
+
+DSUF_DEVICE void wgmma_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-  asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+r"(a0), "+r"(a1), "+r"(a2), "+r"(a3)::"memory");
-#else
-  __trap();  // the host picks these kernels on sm_90a only
 #endif
+}
+
+DSUF_DEVICE void pin(float (&d)[4]) { asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])::"memory"); }
+DSUF_DEVICE void pin(u32& a) { asm volatile("" : "+r"(a)::"memory"); }
+DSUF_DEVICE void pin(uint4& a) { asm volatile("" : "+r"(a.x), "+r"(a.y), "+r"(a.z), "+r"(a.w)::"memory"); }
+
+DSUF_DEVICE void wgmma_e4m3_rs(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc_b) {
+  float r[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  wgmma_fence();
+  wgmma_e4m3<false>(r, a0, a1, a2, a3, desc_b);
+  wgmma_wait();
+  pin(r), pin(a0), pin(a1), pin(a2), pin(a3);
+  d[0] = r[0], d[1] = r[1], d[2] = r[2], d[3] = r[3];
 }
 
 // Generic-proxy shared-memory writes made visible to the tensor cores' (async proxy) reads.
