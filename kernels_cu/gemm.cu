@@ -62,6 +62,25 @@ struct Cols {
   int xb[MT], xa[MT], xa1[MT];
 };
 
+// The FP8 tile's activations for wgmma (WG): K blocks [kb0, kb1) of the CTA's columns as B,
+// FP8_WG_STEP bytes a (K block, mma i of mma_e4m3_kblock): two core matrices (logical k 0-15,
+// 16-31) of the 8 columns' 16 bytes, zeros past `cols`; then visible to the tensor cores.
+#define FP8_WG_STEP 256
+#define FP8_WG_MAX_KB 16  // K blocks a CTA of the WG variant covers at most (the host splits K so)
+
+DSUF_DEVICE void fp8_stage_x_wg(const GemmParams& p, const int* col_xrow, int cols, int kb0, int kb1, u8* xs) {
+  const int K = p.K;
+  for (int e = threadIdx.x; e < (kb1 - kb0) * 4 * 32; e += blockDim.x) {
+    const int t = e & 3, m = (e >> 2) & 7, ki = e >> 5, kb = kb0 + (ki >> 2), i = ki & 3;
+    uint2 v = make_uint2(0, 0);
+    if (m < cols) v = ld_nc8(p.xq + (i64)col_xrow[m] * K + kb * 128 + 64 * (i >> 1) + 16 * t + 8 * (i & 1));
+    u8* at = xs + ki * FP8_WG_STEP + m * 16 + 4 * t;  // bytes 0-3: logical k 4t.., 4-7: 16 + 4t..
+    *reinterpret_cast<u32*>(at) = v.x;
+    *reinterpret_cast<u32*>(at + 128) = v.y;
+  }
+  fence_proxy_async_smem();
+}
+
 // One pipeline stage of the FP8 tile: U K-blocks of 16 weight rows and the matching activations.
 template <int MT, int U>
 struct Fp8Stage {
@@ -69,7 +88,7 @@ struct Fp8Stage {
   float sa[U][MT], sb[U][MT];
 };
 
-template <int MT, int U>
+template <int MT, int U, bool WG = false>
 DSUF_DEVICE void fp8_load(Fp8Stage<MT, U>& st, const GemmParams& p, const u8* wa, const Cols<MT>& c, int kb, int kb1) {
   const int t = threadIdx.x & 3, K = p.K, KB = K >> 7;
 #pragma unroll
@@ -83,7 +102,7 @@ DSUF_DEVICE void fp8_load(Fp8Stage<MT, U>& st, const GemmParams& p, const u8* wa
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
       st.x[u][j][0] = st.x[u][j][1] = make_uint4(0, 0, 0, 0);
-      if (c.xb[j] >= 0) {
+      if (!WG && c.xb[j] >= 0) {  // (WG: the activations are in shared memory)
         const u8* xp = p.xq + (i64)c.xb[j] * K + off + 16 * t;
         st.x[u][j][0] = ld_nc16(xp);
         st.x[u][j][1] = ld_nc16(xp + 64);
@@ -94,16 +113,29 @@ DSUF_DEVICE void fp8_load(Fp8Stage<MT, U>& st, const GemmParams& p, const u8* wa
   }
 }
 
-template <int MT, int U>
-DSUF_DEVICE void fp8_compute(const Fp8Stage<MT, U>& st, const u8* ws_row, int kb, int kb1, float acc[MT][4]) {
+// desc0 (WG, MT = 1): the descriptor of the staged activations' K block kb0 (fp8_stage_x_wg).
+template <int MT, int U, bool WG = false>
+DSUF_DEVICE void fp8_compute(const Fp8Stage<MT, U>& st, const u8* ws_row, int kb, int kb1, float acc[MT][4], int kb0 = 0, u64 desc0 = 0) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     if (kb + u >= kb1) break;
     const float sw = e8m0_to_f32(ws_row[kb + u]);
 #pragma unroll
     for (int j = 0; j < MT; ++j) {
-      float d[4];
-      mma_e4m3_kblock(d, st.w[u], st.x[u][j]);
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (WG) {
+        uint4 w[4] = {st.w[u][0], st.w[u][1], st.w[u][2], st.w[u][3]};
+        const u64 desc = desc0 + (u64)((kb + u - kb0) * 4 * (FP8_WG_STEP >> 4));
+        wgmma_fence();
+        wgmma_e4m3<false>(d, w[0].x, w[2].x, w[0].y, w[2].y, desc);
+        wgmma_e4m3<true>(d, w[0].z, w[2].z, w[0].w, w[2].w, desc + (FP8_WG_STEP >> 4));
+        wgmma_e4m3<true>(d, w[1].x, w[3].x, w[1].y, w[3].y, desc + 2 * (FP8_WG_STEP >> 4));
+        wgmma_e4m3<true>(d, w[1].z, w[3].z, w[1].w, w[3].w, desc + 3 * (FP8_WG_STEP >> 4));
+        wgmma_wait();
+        pin(d), pin(w[0]), pin(w[1]), pin(w[2]), pin(w[3]);
+      } else {
+        mma_e4m3_kblock(d, st.w[u], st.x[u][j]);
+      }
       const float s0 = sw * st.sa[u][j], s1 = sw * st.sb[u][j];
       acc[j][0] += d[0] * s0;
       acc[j][1] += d[1] * s1;
@@ -114,20 +146,28 @@ DSUF_DEVICE void fp8_compute(const Fp8Stage<MT, U>& st, const u8* ws_row, int kb
 }
 
 // FP8 weights: warp rows [row0, row0 + 16), K blocks [kb0, kb1); two register stages so that
-// one stage's loads are in flight while the other's are multiplied.
-template <int MT>
+// one stage's loads are in flight while the other's are multiplied. WG (MT = 1, sm_90a): the
+// products by wgmma, a warpgroup's 64 rows at a time, the activations staged first into xs as its
+// B (fp8_stage_x_wg).
+template <int MT, bool WG = false>
 DSUF_DEVICE void fp8_tile(const GemmParams& p, const u8* w, const u8* ws_row, int row0, int kb0, int kb1,
-                          const Cols<MT>& c, float acc[MT][4]) {
+                          const Cols<MT>& c, float acc[MT][4], u8* xs = nullptr, const int* col_xrow = nullptr, int cols = 0) {
   constexpr int U = 1;  // K blocks a stage (2 spill at MT = 1 under the 128-register cap)
   const int lane = threadIdx.x & 31;
   const u8* wa = w + (i64)(row0 + (lane >> 2)) * p.K + 16 * (lane & 3);
   Fp8Stage<MT, U> a, b;
-  fp8_load(a, p, wa, c, kb0, kb1);
+  fp8_load<MT, U, WG>(a, p, wa, c, kb0, kb1);  // weights in flight while the activations are staged
+  u64 desc0 = 0;
+  if (WG) {
+    fp8_stage_x_wg(p, col_xrow, cols, kb0, kb1, xs);
+    __syncthreads();
+    desc0 = wgmma_desc(xs, 128, FP8_WG_STEP);
+  }
   for (int kb = kb0; kb < kb1; kb += 2 * U) {
-    if (kb + U < kb1) fp8_load(b, p, wa, c, kb + U, kb1);
-    fp8_compute(a, ws_row, kb, kb1, acc);
-    if (kb + 2 * U < kb1) fp8_load(a, p, wa, c, kb + 2 * U, kb1);
-    if (kb + U < kb1) fp8_compute(b, ws_row, kb + U, kb1, acc);
+    if (kb + U < kb1) fp8_load<MT, U, WG>(b, p, wa, c, kb + U, kb1);
+    fp8_compute<MT, U, WG>(a, ws_row, kb, kb1, acc, kb0, desc0);
+    if (kb + 2 * U < kb1) fp8_load<MT, U, WG>(a, p, wa, c, kb + 2 * U, kb1);
+    if (kb + U < kb1) fp8_compute<MT, U, WG>(b, ws_row, kb + U, kb1, acc, kb0, desc0);
   }
 }
 
@@ -276,7 +316,8 @@ DSUF_DEVICE void fp4_main(const GemmParams& p, const u8* w, const u8* ws, int ro
 
 DSUF_DEVICE int pair_at(const GemmParams& p, int i) { return p.order ? p.order[i] : i; }
 
-// FP4U: chunks a pipeline stage of the FP4 path, FP4WG: its products by wgmma (both unused for FP8).
+// FP4U: chunks a pipeline stage of the FP4 path (unused for FP8); FP4WG: the products by wgmma
+// (FP8: MT = 1 only).
 template <int FMT, int MT, int EPI, int FP4U, bool FP4WG = false>
 DSUF_DEVICE void gemm_body(const GemmParams& p) {
   constexpr int MATS = EPI == EPI_SWIGLU ? 2 : 1, COLS = 8 * MT, STRIDE = COLS * 128;
@@ -328,7 +369,10 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
   float acc[MT][4];
 #pragma unroll
   for (int j = 0; j < MT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  if (FMT == FMT_FP8) {
+  if (FMT == FMT_FP8 && FP4WG) {  // (FP4WG: for FP8, the tile's products by wgmma)
+    __shared__ __align__(128) u8 xs_wg[FMT == FMT_FP8 && FP4WG ? FP8_WG_MAX_KB * 4 * FP8_WG_STEP : 1];
+    fp8_tile<MT, true>(p, p.w[mat], p.ws[mat] + (i64)rb * KB, row0, kb0, kb1, c, acc, xs_wg, col_xrow, cols);
+  } else if (FMT == FMT_FP8) {
     fp8_tile<MT>(p, p.w[mat], p.ws[mat] + (i64)rb * KB, row0, kb0, kb1, c, acc);
   } else {
     const i64 e = p.expert[pair_at(p, item)];
@@ -437,12 +481,12 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
   }
 }
 
-// Up to 128 registers a thread (2 CTAs an SM) for one token tile; more tiles need more.
-#define DSUF_GEMM(name, FMT, MT, EPI)                                                  \
+// Up to 128 registers a thread (2 CTAs an SM) for one token tile; more tiles need more. WG: wgmma.
+#define DSUF_GEMM(name, FMT, MT, EPI, WG)                                              \
   extern "C" __global__ void __launch_bounds__(256, MT == 1 ? 2 : 1)                  \
       name(const __grid_constant__ GemmParams p) { \
     pdl_begin();                                                                       \
-    gemm_body<FMT, MT, EPI, 1>(p);                                                     \
+    gemm_body<FMT, MT, EPI, 1, WG>(p);                                                 \
   }
 
 // FP4 with staged activations: U chunks a pipeline stage, at least BLOCKS CTAs an SM, WG: wgmma.
@@ -454,15 +498,18 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
   }
 
 // Dense FP8 linears for up to 8 * MT tokens (attention projections, the shared expert's w2).
-DSUF_GEMM(fp8_gemm_bf16_m8, FMT_FP8, 1, EPI_STORE_BF16)
-DSUF_GEMM(fp8_gemm_bf16_m16, FMT_FP8, 2, EPI_STORE_BF16)
-DSUF_GEMM(fp8_gemm_bf16_m24, FMT_FP8, 3, EPI_STORE_BF16)
-DSUF_GEMM(fp8_gemm_bf16_m32, FMT_FP8, 4, EPI_STORE_BF16)
+DSUF_GEMM(fp8_gemm_bf16_m8, FMT_FP8, 1, EPI_STORE_BF16, false)
+DSUF_GEMM(fp8_gemm_bf16_m16, FMT_FP8, 2, EPI_STORE_BF16, false)
+DSUF_GEMM(fp8_gemm_bf16_m24, FMT_FP8, 3, EPI_STORE_BF16, false)
+DSUF_GEMM(fp8_gemm_bf16_m32, FMT_FP8, 4, EPI_STORE_BF16, false)
 // The shared expert's w1/w3 with the SwiGLU epilogue, output ready for w2.
-DSUF_GEMM(fp8_swiglu_m8, FMT_FP8, 1, EPI_SWIGLU)
-DSUF_GEMM(fp8_swiglu_m16, FMT_FP8, 2, EPI_SWIGLU)
-DSUF_GEMM(fp8_swiglu_m24, FMT_FP8, 3, EPI_SWIGLU)
-DSUF_GEMM(fp8_swiglu_m32, FMT_FP8, 4, EPI_SWIGLU)
+DSUF_GEMM(fp8_swiglu_m8, FMT_FP8, 1, EPI_SWIGLU, false)
+DSUF_GEMM(fp8_swiglu_m16, FMT_FP8, 2, EPI_SWIGLU, false)
+DSUF_GEMM(fp8_swiglu_m24, FMT_FP8, 3, EPI_SWIGLU, false)
+DSUF_GEMM(fp8_swiglu_m32, FMT_FP8, 4, EPI_SWIGLU, false)
+// Up to 8 tokens with wgmma (sm_90a).
+DSUF_GEMM(fp8_gemm_bf16_wg_m8, FMT_FP8, 1, EPI_STORE_BF16, true)
+DSUF_GEMM(fp8_swiglu_wg_m8, FMT_FP8, 1, EPI_SWIGLU, true)
 // Routed FP4 experts over (token, expert) pairs, up to 8 tokens of one expert per item: 3 CTAs an
 // SM for few pairs (batch 1: 60.2 µs MoE against 61-65 at 4), 4 for more (batch 8: 164 against 170).
 DSUF_GEMM_FP4(fp4_swiglu_pairs_u2b3, EPI_SWIGLU, 2, 3, false)

@@ -30,6 +30,8 @@ ROWS_TOKENS = 8  # fp8_rows: tokens a launch
 ROWS_SHARED_MAX = 224 << 10  # fp8_rows: a CTA's rows, its tokens' activations and scales, 8 KB of sums
 ROWS_THREADS = 512  # fp8_rows: threads a CTA (16 warps: row groups x K shares)
 ROWS_WGMMA = True  # fp8_rows: a CTA of 64 rows or more multiplies by wgmma on sm_90a (tests turn it off)
+GEMM_WGMMA = True  # the split-K FP8 GEMM: up to 8 tokens by wgmma on sm_90a (tests turn it off)
+GEMM_WG_MAX_BLOCKS = 16  # ... a CTA covering at most this many K blocks (FP8_WG_MAX_KB in gemm.cu)
 
 
 class RowsParams(ctypes.Structure):
@@ -222,6 +224,9 @@ def launch_fp8(
     splits = choose_splits(
         tiles, k // BLOCK, sm_count(w.device) * (2 if mt == 1 else 1), cols * n * 4 * mats * 2, n * k * mats
     )
+    wg = GEMM_WGMMA and mt == 1 and device_arch(w.device) == "sm_90a"  # up to 8 tokens: products by wgmma
+    if wg:
+        splits = max(splits, -(-(k // BLOCK) // GEMM_WG_MAX_BLOCKS))
     partial = torch.empty(tiles * splits * 8 * mt * CTA_ROWS if mats * splits > 1 else 1, dtype=torch.float32, device=w.device)
     p = GemmParams()
     p.w[0], p.ws[0] = w.data_ptr(), ws.data_ptr()
@@ -232,5 +237,5 @@ def launch_fp8(
     p.out_scale = out_scale.data_ptr() if out_scale is not None else 0
     p.partial, p.counter = partial.data_ptr(), counter.data_ptr()
     p.N, p.K, p.cols, p.splits, p.x_div, p.limit = n, k, cols, splits, 1, limit
-    name = f"fp8_{'swiglu' if w_up is not None else 'gemm_bf16'}_m{8 * mt}"
+    name = f"fp8_{'swiglu' if w_up is not None else 'gemm_bf16'}_{'wg_' if wg else ''}m{8 * mt}"
     get_kernel("gemm", name, w.device)((n // CTA_ROWS, mats * splits, 1), 256, [p])

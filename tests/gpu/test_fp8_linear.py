@@ -41,9 +41,14 @@ def reference(w: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> torch.Tensor
     return Linear(quant.dequant_fp8_weight(w, s, 128), act_block=128)(x, Numerics(), torch.float32)
 
 
+@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma on sm_90a", "mma.sync"])
 @pytest.mark.parametrize("m", [1, 8, 13, 32, 600])  # 600: a prompt chunk, on cuBLAS over the bf16 weight
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_fp8_linear(cuda, name, m):
+def test_fp8_linear(cuda, monkeypatch, name, m, wgmma):
+    from dsuf.gpu import linear
+
+    monkeypatch.setattr(linear, "ROWS_WGMMA", wgmma)
+    monkeypatch.setattr(linear, "GEMM_WGMMA", wgmma)
     n, k = SHAPES[name]
     w, s = random_fp8_weight(n, k, cuda)
     x = random_activations(m, k, cuda)
