@@ -91,21 +91,15 @@ struct RowsParams {
 
 // The activations are staged once for all warps already as mma_e4m3_f16b's B (f16 pairs), only
 // the M real tokens: xf[((kb * 4 + i) * M + m) * 4 + t] = mma i of K block kb, token m, lane t.
-// WG (R >= 64, sm_90a): each warpgroup's 64 rows multiplied by wgmma instead, the weights' register
-// fragments as they are, the activations as wgmma's B: FP8_ROWS_WG_STEP bytes a (K block, mma i),
-// two core matrices (logical k 0-15, 16-31) of the 8 token columns' 16 bytes (zeros past M).
-#define FP8_ROWS_WG_STEP 256
-
-template <bool WG>
-DSUF_DEVICE void rows_fp8(const RowsParams& p) {
+extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_m8(const __grid_constant__ RowsParams p) {
   extern __shared__ __align__(128) u8 smem[];
   __shared__ u64 bars[ROWS_WARPS];
   const int K = p.K, KB = K >> 7, pitch = K + 64;
   const int r0 = blockIdx.x * p.R;
   u8* ws_ = smem;                                               // [R][pitch] weights
-  u8* xs = smem + p.R * pitch;                                  // the activations (see above)
-  float2* scale = reinterpret_cast<float2*>(xs + (WG ? 8 * K : p.M * 2 * K));  // [KB][4]: sw * sx of tokens 2t, 2t + 1
-  float* red = reinterpret_cast<float*>(scale + 4 * KB);        // [K shares][R][8] partial sums
+  uint4* xf = reinterpret_cast<uint4*>(smem + p.R * pitch);     // [KB][4][M][4] activations as f16
+  float2* scale = reinterpret_cast<float2*>(xf + p.M * (K >> 3));  // [KB][4]: sw * sx of tokens 2t, 2t + 1
+  float* red = reinterpret_cast<float*>(scale + 4 * KB);          // [K shares][R][8] partial sums
   const RowsWarp rw = rows_warp(p.R, K);
 
   post_rows(ws_, pitch, p.w, K, r0, p.R, rw, bars);
@@ -116,51 +110,30 @@ DSUF_DEVICE void rows_fp8(const RowsParams& p) {
   const float sw = stages_scale ? e8m0_to_f32(p.ws[(i64)(r0 >> 7) * KB + skb]) : 0.0f;
   pdl_begin();
   const float sxv = stages_scale && sm < p.M ? p.sx[(i64)sm * KB + skb] : 0.0f;
-  const int tokens = WG ? 8 : p.M;  // token columns staged
 #pragma unroll 4
-  for (int e = threadIdx.x; e < tokens * (K >> 3); e += ROWS_THREADS) {
-    const int t = e & 3, m = (e >> 2) % tokens, ki = (e >> 2) / tokens, kb = ki >> 2, i = ki & 3;
-    uint2 v = make_uint2(0, 0);
-    if (m < p.M) v = ld_nc8(p.xq + (i64)m * K + kb * 128 + 64 * (i >> 1) + 16 * t + 8 * (i & 1));
-    if (WG) {  // bytes 0-3: logical k 4t.., 4-7: 16 + 4t..
-      u8* at = xs + ki * FP8_ROWS_WG_STEP + m * 16 + 4 * t;
-      *reinterpret_cast<u32*>(at) = v.x;
-      *reinterpret_cast<u32*>(at + 128) = v.y;
-    } else {
-      reinterpret_cast<uint4*>(xs)[e] = e4m3_b_to_f16(v.x, v.y);
-    }
+  for (int e = threadIdx.x; e < p.M * (K >> 3); e += ROWS_THREADS) {
+    const int t = e & 3, m = (e >> 2) % p.M, ki = (e >> 2) / p.M, kb = ki >> 2, i = ki & 3;
+    const uint2 v = ld_nc8(p.xq + (i64)m * K + kb * 128 + 64 * (i >> 1) + 16 * t + 8 * (i & 1));
+    xf[e] = e4m3_b_to_f16(v.x, v.y);
   }
-  if (WG) fence_proxy_async_smem();
   if (stages_scale) reinterpret_cast<float*>(scale)[se] = sw * sxv;
 
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const u8* wrow = ws_ + (rw.rg * 16 + g) * pitch + 16 * t;
   // Columns g >= M (no token) read token g % M: finite values whose sums are scaled by 0 below.
-  const uint4* xrow = reinterpret_cast<const uint4*>(xs) + (g % p.M) * 4 + t;
-  const u64 desc0 = WG ? wgmma_desc(xs, 128, FP8_ROWS_WG_STEP) : 0;
+  const uint4* xrow = xf + (g % p.M) * 4 + t;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   __syncthreads();  // the activations and scales are staged
   if (rw.kb1 > rw.kb0) mbar_wait(&bars[rw.bar], 0);
   for (int kb = rw.kb0; kb < rw.kb1; ++kb) {
     const int off = kb * 128;
-    uint4 w[4] = {*reinterpret_cast<const uint4*>(wrow + off), *reinterpret_cast<const uint4*>(wrow + off + 64),
-                  *reinterpret_cast<const uint4*>(wrow + 8 * pitch + off), *reinterpret_cast<const uint4*>(wrow + 8 * pitch + off + 64)};
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (WG) {  // the descriptor's address field counts 16 bytes
-      const u64 desc = desc0 + (u64)(kb * 4 * (FP8_ROWS_WG_STEP >> 4));
-      wgmma_fence();
-      wgmma_e4m3<false>(d, w[0].x, w[2].x, w[0].y, w[2].y, desc);
-      wgmma_e4m3<true>(d, w[0].z, w[2].z, w[0].w, w[2].w, desc + (FP8_ROWS_WG_STEP >> 4));
-      wgmma_e4m3<true>(d, w[1].x, w[3].x, w[1].y, w[3].y, desc + 2 * (FP8_ROWS_WG_STEP >> 4));
-      wgmma_e4m3<true>(d, w[1].z, w[3].z, w[1].w, w[3].w, desc + 3 * (FP8_ROWS_WG_STEP >> 4));
-      wgmma_wait();
-      pin(d), pin(w[0]), pin(w[1]), pin(w[2]), pin(w[3]);
-    } else {
-      uint4 x[4];
+    const uint4 w[4] = {*reinterpret_cast<const uint4*>(wrow + off), *reinterpret_cast<const uint4*>(wrow + off + 64),
+                        *reinterpret_cast<const uint4*>(wrow + 8 * pitch + off), *reinterpret_cast<const uint4*>(wrow + 8 * pitch + off + 64)};
+    uint4 x[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) x[i] = xrow[(kb * 4 + i) * p.M * 4];
-      mma_e4m3_kblock_f16b(d, w, x);
-    }
+    for (int i = 0; i < 4; ++i) x[i] = xrow[(kb * 4 + i) * p.M * 4];
+    float d[4];
+    mma_e4m3_kblock_f16b(d, w, x);
     const float2 sc = scale[kb * 4 + t];  // this lane's accumulator tokens 2t, 2t + 1 (0 where absent)
     acc[0] += d[0] * sc.x;
     acc[1] += d[1] * sc.y;
@@ -169,9 +142,6 @@ DSUF_DEVICE void rows_fp8(const RowsParams& p) {
   }
   rows_reduce_store(p, r0, red, acc, rw.rg * 16 + g, 2 * t, rw.kp, rw.shares);
 }
-
-extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_m8(const __grid_constant__ RowsParams p) { rows_fp8<false>(p); }
-extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_wg_m8(const __grid_constant__ RowsParams p) { rows_fp8<true>(p); }
 
 // wo_a's grouped FP8 projection with bf16 activations (gemv.cu's FP8 format, the reference's bf16
 // einsum over the exactly dequantised weight) in the same way: y[m, n] = sum_k x[m, g K + k] W[n, k]

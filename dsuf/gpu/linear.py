@@ -29,7 +29,6 @@ CTA_ROWS = 128  # output rows per CTA
 ROWS_TOKENS = 8  # fp8_rows: tokens a launch
 ROWS_SHARED_MAX = 224 << 10  # fp8_rows: a CTA's rows, its tokens' activations and scales, 8 KB of sums
 ROWS_THREADS = 512  # fp8_rows: threads a CTA (16 warps: row groups x K shares)
-ROWS_WGMMA = True  # fp8_rows: a CTA of 64 rows or more multiplies by wgmma on sm_90a (tests turn it off)
 GEMM_WGMMA = True  # the split-K FP8 GEMM: up to 8 tokens by wgmma on sm_90a (tests turn it off)
 GEMM_WG_MAX_BLOCKS = 16  # ... a CTA covering at most this many K blocks (FP8_WG_MAX_KB in gemm.cu)
 
@@ -50,11 +49,10 @@ class RowsParams(ctypes.Structure):
     ]
 
 
-def rows_shared_bytes(rows: int, k: int, m: int, wgmma: bool = False) -> int:
+def rows_shared_bytes(rows: int, k: int, m: int) -> int:
     """fp8_rows_m8's shared memory: its rows of e4m3 (K + 64 bytes each), m tokens' activations as
-    f16 (2K bytes each; fp8_rows_wg_m8: 8 token columns of e4m3), the K blocks' scales of 8 tokens
-    (K / 4 bytes) and 8 KB of partial sums."""
-    return rows * (k + 64) + (8 * k if wgmma else m * 2 * k) + k // 4 + 8192
+    f16 (2K bytes each), the K blocks' scales of 8 tokens (K / 4 bytes) and 8 KB of partial sums."""
+    return rows * (k + 64) + m * 2 * k + k // 4 + 8192
 
 
 def rows_per_cta(n: int, sms: int, shared_bytes: Callable[[int], int], divides: int | None = None) -> int | None:
@@ -186,12 +184,8 @@ class Fp8Linear:
         k = self.in_features
         rows = self.rows[m] if m <= ROWS_TOKENS else None
         if rows is not None:
-            # wgmma (sm_90a) takes 64 rows a warpgroup
-            wg = ROWS_WGMMA and rows >= 64 and device_arch(xq.device) == "sm_90a" and rows_shared_bytes(rows, k, m, True) <= ROWS_SHARED_MAX
             p = RowsParams(self.weight.data_ptr(), self.scale.data_ptr(), xq.data_ptr(), sx.data_ptr(), out.data_ptr(), n, k, m, rows)
-            get_kernel("fp8_rows", "fp8_rows_wg_m8" if wg else "fp8_rows_m8", xq.device)(
-                (n // rows, 1, 1), ROWS_THREADS, [p], shared=rows_shared_bytes(rows, k, m, wg)
-            )
+            get_kernel("fp8_rows", "fp8_rows_m8", xq.device)((n // rows, 1, 1), ROWS_THREADS, [p], shared=rows_shared_bytes(rows, k, m))
             return out
         for lo in range(0, m, MAX_TOKENS):
             hi = min(m, lo + MAX_TOKENS)

@@ -47,7 +47,6 @@ def reference(w: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> torch.Tensor
 def test_fp8_linear(cuda, monkeypatch, name, m, wgmma):
     from dsuf.gpu import linear
 
-    monkeypatch.setattr(linear, "ROWS_WGMMA", wgmma)
     monkeypatch.setattr(linear, "GEMM_WGMMA", wgmma)
     n, k = SHAPES[name]
     w, s = random_fp8_weight(n, k, cuda)
@@ -77,16 +76,12 @@ def test_fp8_linear_beyond_one_launch(cuda):
 TP2_SHAPES = {"attn.wq_b / 2": (16384, 1024), "attn.wo_b / 2": (4096, 4096), "shared.w2 / 2": (4096, 1024)}
 
 
-@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma where it takes the rows", "mma.sync"])
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("name", ["attn.wq_a", "attn.wkv", "indexer.wq_b", *TP2_SHAPES])
-def test_fp8_rows_equals_the_reference(cuda, monkeypatch, name, m, wgmma):
+def test_fp8_rows_equals_the_reference(cuda, name, m):
     """The no-split-K kernel (fp8_rows.cu) on the shapes it takes, against the reference; tokens
-    past m must not leak into the sums. CTAs of 64 rows or more multiply by wgmma on sm_90a."""
-    from dsuf.gpu import linear
+    past m must not leak into the sums."""
     from dsuf.gpu.linear import rows_per_cta, rows_shared_bytes, sm_count
-
-    monkeypatch.setattr(linear, "ROWS_WGMMA", wgmma)
 
     n, k = {**SHAPES, **TP2_SHAPES}[name]
     assert rows_per_cta(n, sm_count(cuda), lambda rows: rows_shared_bytes(rows, k, m)) is not None, "fp8_rows should take this shape"

@@ -88,20 +88,44 @@ def by_expert(idx: torch.Tensor, grouped: bool) -> torch.Tensor | None:
     return torch.argsort(idx.reshape(-1), stable=True).int() if grouped else None
 
 
-@pytest.fixture(params=["u", "g"], ids=["mma.sync", "wgmma"])
-def products(request, monkeypatch, cuda):
-    """The FP4 kernels' products by mma.sync (every GPU) or by wgmma (sm_90a only)."""
+# How the decode kernels sum e4m3 products. "exact": mma.sync, which sm_90 runs as f16 HMMA with
+# fp32 sums, exact for these products. "wgmma" (sm_90a, the default there): the FP4 experts' k-steps
+# and the FP8 GEMM of up to 8 tokens (the shared expert) by wgmma, whose e4m3 sums keep about 12
+# bits of the sum of |products| (measured on H200: at most 2.6e-4 of it over a k32 step, unbiased),
+# as in DeepSeek's own FP8 GEMMs. Outputs stay within bf16 roundings of the reference, but a
+# SwiGLU output h, rounded to e4m3 for w2, lands on the other side of a rounding more often; one
+# e4m3 step (2^-3 relative) of one h element moves its token's w2 outputs by up to ~1/30 of their
+# rms each. A wrong expert, row or weight moves every element of a token by far more.
+@pytest.fixture(params=["exact", "wgmma"])
+def sums(request, monkeypatch, cuda):
+    from dsuf.gpu import linear
     from dsuf.gpu import moe as gpu_moe
     from dsuf.gpu.runtime import device_arch
 
-    if request.param == "g" and device_arch(cuda) != "sm_90a":
+    if request.param == "wgmma" and device_arch(cuda) != "sm_90a":
         pytest.skip("wgmma is sm_90a's")
-    monkeypatch.setattr(gpu_moe, "FP4_PRODUCTS", request.param)
+    monkeypatch.setattr(gpu_moe, "FP4_PRODUCTS", "g" if request.param == "wgmma" else "u")
+    monkeypatch.setattr(linear, "GEMM_WGMMA", request.param == "wgmma")
     return request.param
 
 
+def assert_moe_output_close(name: str, out: torch.Tensor, ref: torch.Tensor, sums: str) -> None:
+    """Outputs [tokens, D] against the reference: every element within two roundings
+    (exact sums), except tokens whose h crossed an e4m3 rounding (see `sums`)."""
+    rel, worst = compare(name, out, ref)
+    if sums == "wgmma":
+        assert rel < 6e-3 and worst <= 128.0
+        return
+    assert rel < 4e-3
+    # Exact sums cross an h rounding only where the reference's float64 order does not (seen once
+    # at 20 tokens on H200: 659 of 81,920 elements over 1 ulp, rel 6.8e-4; at 32 tokens of the
+    # shared expert: worst 15.4).
+    per_token = ((out.double() - ref.double()).abs() / (bf16_ulp(ref) + 1e-3 * ref.double().pow(2).mean().sqrt())).amax(dim=1)
+    assert worst <= 2.0 or (per_token <= 2.0).float().mean() >= 0.9, f"tokens beyond two roundings: {per_token.tolist()}"
+
+
 @pytest.mark.parametrize("tokens, grouped", [(1, False), (8, False), (8, True)])
-def test_routed_gate_up(cuda, moe_pair, products, tokens, grouped):
+def test_routed_gate_up(cuda, moe_pair, sums, tokens, grouped):
     kernel, moe = moe_pair
     x = random_activations(tokens, D, cuda)
     weights, idx = moe.route(x, None)
@@ -118,13 +142,13 @@ def test_routed_gate_up(cuda, moe_pair, products, tokens, grouped):
             ref.append(quant.act_quant_fp8(h.to(torch.bfloat16), 128).float())
     ref = torch.cat(ref)
     rel, _ = compare(f"routed w1/w3 + SwiGLU + act_quant, {tokens} x {TOPK} pairs{', by expert' if grouped else ''}", got, ref)
-    # Equal but where the fp32 sums put h on the other side of a bf16 / e4m3 rounding boundary.
-    assert rel < 2e-3
-    assert (got == ref).float().mean() > 0.998
+    # Equal but where the sums put h on the other side of a bf16 / e4m3 rounding boundary.
+    assert rel < (2e-3 if sums == "exact" else 6e-3)
+    assert (got == ref).float().mean() > (0.998 if sums == "exact" else 0.99)
 
 
 @pytest.mark.parametrize("tokens, grouped", [(1, False), (8, False), (8, True), (20, True)])
-def test_routed_down(cuda, moe_pair, products, tokens, grouped):
+def test_routed_down(cuda, moe_pair, sums, tokens, grouped):
     """20 tokens over 8 experts: runs of more than 8 pairs of one expert are split."""
     kernel, moe = moe_pair
     idx = torch.stack([torch.randperm(EXPERTS, device=cuda)[:TOPK] for _ in range(tokens)])
@@ -138,33 +162,23 @@ def test_routed_down(cuda, moe_pair, products, tokens, grouped):
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 32])
-def test_shared_expert(cuda, moe_pair, tokens):
+def test_shared_expert(cuda, moe_pair, sums, tokens):
     kernel, moe = moe_pair
     x = random_activations(tokens, D, cuda)
     xq, sx = act_quant(x)
     got = kernel.shared_forward(xq, sx)
     ref = moe.shared(x, NUM)  # bf16, as the reference rounds it
-    rel, worst = compare(f"shared expert x {tokens} tokens", got, ref)
-    assert rel < 3e-3 and worst <= 2.0
+    assert_moe_output_close(f"shared expert x {tokens} tokens", got, ref, sums)
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 20])
-def test_moe_decode(cuda, moe_pair, tokens):
+def test_moe_decode(cuda, moe_pair, sums, tokens):
     kernel, moe = moe_pair
     x = random_activations(tokens, D, cuda)
     weights, idx = moe.route(x, None)
     out = torch.full((tokens, D), float("nan"), dtype=torch.bfloat16, device=cuda)  # poison
     kernel(x, weights, idx, out=out)
-    ref = reference_moe(moe, x, weights, idx)
-    rel, worst = compare(f"MoE decode, {tokens} tokens x ({TOPK} routed + shared)", out, ref)
-    assert rel < 4e-3
-    # Every element within two roundings, except where the kernel's float32 sums (another order
-    # than the reference's float64) land an element of a SwiGLU output h on the other side of an
-    # FP8 rounding: one code step (1/16 relative) of one h element moves that token's whole output
-    # a little (seen once at 20 tokens on H200: 659 of 81,920 elements over 1 ulp, rel 6.8e-4).
-    # A wrong expert, row or weight moves every element of a token by far more.
-    per_token = ((out.double() - ref.double()).abs() / (bf16_ulp(ref) + 1e-3 * ref.double().pow(2).mean().sqrt())).amax(dim=1)
-    assert worst <= 2.0 or (per_token <= 2.0).float().mean() >= 0.9, f"tokens beyond two roundings: {per_token.tolist()}"
+    assert_moe_output_close(f"MoE decode, {tokens} tokens x ({TOPK} routed + shared)", out, reference_moe(moe, x, weights, idx), sums)
     assert torch.equal(kernel(x, weights, idx), out), "not deterministic"
 
 
