@@ -78,8 +78,10 @@ extern "C" __global__ void __launch_bounds__(256) index_scores(const __grid_cons
   const int n = p.n_keys[row];
   const u8* keys = p.keys + (i64)p.key_start[row] * IDX_ENTRY;
   float* out = p.scores + (i64)row * p.stride;
-  const int lo = blockIdx.x * p.chunk, hi = min(p.stride, lo + p.chunk);
-  for (int k0 = lo + 16 * warp; k0 < hi; k0 += 16 * 8) {
+  const int lo = blockIdx.x * p.chunk, hi = min(p.stride, lo + p.chunk), live = min(hi, n);
+  // Keys past the row's count (a prompt's early rows see few) are -inf without any products.
+  for (int j = max(lo, n) + threadIdx.x; j < hi; j += blockDim.x) out[j] = NEG_INF;
+  for (int k0 = lo + 16 * warp; k0 < live; k0 += 16 * 8) {
     const int ja = k0 + g, jb = k0 + g + 8;
     u32 wa[4] = {0, 0, 0, 0}, wb[4] = {0, 0, 0, 0}, sa = 0x7f7f7f7fu, sb = 0x7f7f7f7fu;
     if (ja < n) {
@@ -126,8 +128,8 @@ extern "C" __global__ void __launch_bounds__(256) index_scores(const __grid_cons
     score_b += __shfl_xor_sync(0xffffffffu, score_b, 1);
     score_b += __shfl_xor_sync(0xffffffffu, score_b, 2);
     if (t == 0) {
-      if (ja < hi) out[ja] = ja < n ? bf16_round((float)score_a) : NEG_INF;
-      if (jb < hi) out[jb] = jb < n ? bf16_round((float)score_b) : NEG_INF;
+      if (ja < live) out[ja] = bf16_round((float)score_a);
+      if (jb < live) out[jb] = bf16_round((float)score_b);
     }
   }
 }

@@ -10,7 +10,8 @@
 // accumulators), an online softmax in fp32 (probabilities rounded to bf16 against the running
 // max, as the reference kernel does), O += P K. It writes its unnormalised O, its max and its sum
 // of probabilities; sparse_attn_combine merges the splits in split order (deterministic) and adds
-// the sink to the denominator.
+// the sink to the denominator. With one split a row (prompt chunks: as many rows as SMs or more)
+// the CTA finishes its row itself and there is no combine.
 //
 // Warp roles (8 warps): for S, warp w computes heads 16 (w % 4) .. +16 x keys 16 (w / 4) .. +16;
 // the softmax runs 4 threads per head; for O, warp w owns dims 64 w .. +64 of all 64 heads
@@ -105,6 +106,46 @@ DSUF_DEVICE void gather_store(const Gather& g, u16* k_row, int* idx_s, int e, in
   *reinterpret_cast<uint2*>(k_row + 480 + 4 * j) = g.w[8];
 }
 
+// Output dims d, d + 1 of a head: o / l in bf16, rotated back by the row's position where they
+// are rope dims and cos_t is given.
+DSUF_DEVICE u32 out_pair(const AttnParams& p, int row, int d, float o0, float o1, float l) {
+  u32 v = bf16x2(o0 / l, o1 / l);
+  if (p.cos_t && d >= DIM - 2 * ROPE_PAIRS) {
+    const int pair = (d - (DIM - 2 * ROPE_PAIRS)) / 2;
+    v = rotate_pair(v, p.cos_t[row * ROPE_PAIRS + pair], -p.sin_t[row * ROPE_PAIRS + pair]);
+  }
+  return v;
+}
+
+// A row of one split (a prompt chunk's rows): its output straight from the accumulators, by the
+// operations sparse_attn_combine would apply to this split alone (0 + x w as its first sum
+// rounds it). wl: 2 floats a head of shared memory no thread reads any more.
+DSUF_DEVICE void finish_row(const AttnParams& p, int row, float m_run, float l_run, const float (&acc)[4][8][4], float* wl) {
+  const int tid = threadIdx.x, warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3, sr = tid >> 2, sq = tid & 3;
+  if (sq == 0 && sr < p.heads) {
+    const float ref = m_run == NEG_INF ? 0.0f : m_run;
+    const float w = expf(m_run - ref);
+    wl[2 * sr] = w;
+    wl[2 * sr + 1] = __fadd_rn(__fadd_rn(0.0f, __fmul_rn(l_run, w)), expf(p.sink[sr] - ref));
+  }
+  __syncthreads();
+  u16* out = p.out + (i64)row * p.heads * DIM;
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int h = 16 * mt + g + 8 * half;
+      if (h >= p.heads) continue;
+      const float w = wl[2 * h], l = wl[2 * h + 1];
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        const int d = 64 * warp + 8 * n + 2 * t;
+        const float o0 = __fadd_rn(0.0f, __fmul_rn(acc[mt][n][2 * half], w)), o1 = __fadd_rn(0.0f, __fmul_rn(acc[mt][n][2 * half + 1], w));
+        *reinterpret_cast<u32*>(out + h * DIM + d) = out_pair(p, row, d, o0, o1, l);
+      }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __grid_constant__ AttnParams p) {
   pdl_begin();
   extern __shared__ __align__(16) u8 smem[];
@@ -141,9 +182,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
   gather_load(gat, p, row, begin + ge, end, gj);
   for (int base = begin; base < end; base += TILE) {
     __syncthreads();  // the previous tile's K and P are no longer read
+    const int present = gat.entry >= 0;
     gather_store(gat, k_s + ge * ROW, idx_s, ge, gj);
     if (base + TILE < end) gather_load(gat, p, row, base + TILE + ge, end, gj);  // next tile in flight
-    __syncthreads();
+    // A tile of no entries (a prompt's early rows name few) would leave everything as it is: its
+    // alpha is 1, or 0 on accumulators that are still 0.
+    if (!__syncthreads_or(present)) continue;
 
     if (16 * (warp & 3) < hp) {  // S = Q K^T * scale for heads 16 mt .., keys 16 nh ..
       const int mt = warp & 3, nh = warp >> 2;
@@ -234,6 +278,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
     }
   }
 
+  if (p.splits == 1) {  // sparse_attn_combine's work for one split, here (the same operations)
+    finish_row(p, row, m_run, l_run, acc, s_s);
+    return;
+  }
   const i64 part = (i64)row * p.splits + split;
   if (sq == 0 && sr < p.heads) {
     p.part_ml[(part * HEADS + sr) * 2] = m_run;
@@ -274,11 +322,5 @@ extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine(const __gr
     o.w += v.w * w;
   }
   l += expf(p.sink[h] - ref);
-  u32 lo = bf16x2(o.x / l, o.y / l), hi = bf16x2(o.z / l, o.w / l);
-  if (p.cos_t && d >= DIM - 2 * ROPE_PAIRS) {
-    const int pair = (d - (DIM - 2 * ROPE_PAIRS)) / 2;
-    lo = rotate_pair(lo, p.cos_t[row * ROPE_PAIRS + pair], -p.sin_t[row * ROPE_PAIRS + pair]);
-    hi = rotate_pair(hi, p.cos_t[row * ROPE_PAIRS + pair + 1], -p.sin_t[row * ROPE_PAIRS + pair + 1]);
-  }
-  *reinterpret_cast<uint2*>(p.out + ((i64)row * p.heads + h) * DIM + d) = make_uint2(lo, hi);
+  *reinterpret_cast<uint2*>(p.out + ((i64)row * p.heads + h) * DIM + d) = make_uint2(out_pair(p, row, d, o.x, o.y, l), out_pair(p, row, d + 2, o.z, o.w, l));
 }

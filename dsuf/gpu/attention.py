@@ -113,8 +113,9 @@ def sparse_attention(
         raise ValueError(f"sparse_attention: the pool must be contiguous uint8 [entries, {KV_ENTRY_BYTES}]")
     n_idx = idx.shape[1]
     splits, per_split = choose_splits(n_idx, rows, sm_count(q.device))
-    part_o = torch.empty((rows, splits, HEADS, HEAD_DIM), dtype=torch.float32, device=q.device)
-    part_ml = torch.empty((rows, splits, HEADS, 2), dtype=torch.float32, device=q.device)
+    # (one split a row: the attention kernel finishes each row itself, no partial outputs)
+    part_o = torch.empty((rows, splits, HEADS, HEAD_DIM) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((rows, splits, HEADS, 2) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty((rows, heads, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     q, idx, sink = q.contiguous(), idx.contiguous(), sink.float().contiguous()
@@ -129,5 +130,6 @@ def sparse_attention(
     p.n_idx, p.per_split, p.splits, p.scale, p.heads = n_idx, per_split, splits, scale, heads
     p.cos_t, p.sin_t = (cos.data_ptr(), sin.data_ptr()) if cos is not None else (0, 0)
     get_kernel("sparse_attn", "sparse_attn_decode", q.device)((splits, rows, 1), 256, [p], shared=SHARED_BYTES)
-    get_kernel("sparse_attn", "sparse_attn_combine", q.device)((heads, rows, 1), 128, [p])
+    if splits > 1:
+        get_kernel("sparse_attn", "sparse_attn_combine", q.device)((heads, rows, 1), 128, [p])
     return out

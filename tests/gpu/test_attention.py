@@ -91,12 +91,34 @@ def test_sparse_attention(cuda, rows, window, compressed, missing):
     idx[:, 0] = torch.randint(0, entries, (rows,), device=cuda, dtype=torch.int32)  # ≥ 1 key a row
     # Queries like the per-head-normalised, RoPE'd q; some heads sharper than others.
     q = (torch.randn(rows, HEADS, DIM, device=cuda) * torch.exp(torch.randn(1, HEADS, 1, device=cuda))).to(torch.bfloat16)
-    sink = torch.randn(HEADS, device=cuda) * 2
-    out = torch.full((rows, HEADS, DIM), float("nan"), dtype=torch.bfloat16, device=cuda)  # poison
+    check_attention(q, pool, idx, f"{missing:.0%} missing")
+
+
+def test_a_prompt_chunks_rows(cuda):
+    """As many rows as SMs or more (a prompt chunk): one split a row, which the attention kernel
+    finishes itself (no combine). A prompt's early rows see few compressed entries, so whole
+    tiles of their slots are -1."""
+    rows, window, compressed = 300, 128, 512
+    n = window + compressed
+    entries = rows * n + 64
+    pool = new_pool(entries, cuda)
+    pack_kv(random_kv(entries, cuda), pool)
+    idx = torch.randint(0, entries, (rows, n), device=cuda, dtype=torch.int32)
+    slot = torch.arange(n, device=cuda)
+    seen = torch.arange(1, rows + 1, device=cuda) * compressed // rows  # row r sees (r + 1) / rows of the top-k
+    idx[(slot[None, :] >= window) & (slot[None, :] - window >= seen[:, None])] = -1
+    q = (torch.randn(rows, HEADS, DIM, device=cuda) * torch.exp(torch.randn(1, HEADS, 1, device=cuda))).to(torch.bfloat16)
+    check_attention(q, pool, idx, "a prompt chunk")
+
+
+def check_attention(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, what: str) -> None:
+    rows, n = idx.shape
+    sink = torch.randn(HEADS, device=q.device) * 2
+    out = torch.full((rows, HEADS, DIM), float("nan"), dtype=torch.bfloat16, device=q.device)  # poison
     sparse_attention(q, pool, idx, sink, SCALE, out=out)
-    splits, per_split = choose_splits(n, rows, torch.cuda.get_device_properties(cuda).multi_processor_count)
+    splits, per_split = choose_splits(n, rows, torch.cuda.get_device_properties(q.device).multi_processor_count)
     ref = reference_attention(q, pool, idx, sink)
-    rel, _ = compare(f"sparse attention {rows} rows x {n} entries ({splits} splits of {per_split}, {missing:.0%} missing)", out, ref)
+    rel, _ = compare(f"sparse attention {rows} rows x {n} entries ({splits} splits of {per_split}, {what})", out, ref)
     # The kernel rounds probabilities to bf16 against each tile's running max, not the global max
     # as the reference does (DeepSeek's own kernel does the same), so where an output cancels
     # between large terms the two differ by more than an ulp of the output. Measured against the
@@ -142,10 +164,11 @@ def test_rope(cuda, heads, dim, inverse):
     assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("rows, heads", [(1, 64), (8, 32)])
+@pytest.mark.parametrize("rows, heads", [(1, 64), (8, 32), (300, 64)])
 def test_attention_with_the_inverse_rope_is_attention_then_the_rotation(cuda, rows, heads):
-    """The output's rope dims rotated back in the splits' combine: bit for bit the attention, then
-    rope_(inverse=True) (each row at its own position)."""
+    """The output's rope dims rotated back in the splits' combine (or, one split a row, in the
+    attention kernel): bit for bit the attention, then rope_(inverse=True) (each row at its own
+    position)."""
     n = 128 + 512
     pool = new_pool(rows * n, cuda)
     pack_kv(random_kv(rows * n, cuda), pool)
