@@ -1,14 +1,16 @@
-"""Prefill-sized matmuls: quantised weights turned into bf16 copies once per prompt chunk and
-multiplied on the tensor cores by cuBLAS (torch.mm) or CUTLASS (torch._grouped_mm, the routed
-experts).
+"""Prefill-sized matmuls on the tensor cores through cuBLAS and CUTLASS.
 
 A chunk of thousands of rows is compute-bound. The decode kernels re-read a weight for every 32
-rows (FP8) or every 8 rows of an expert (FP4), hundreds of times a chunk; here it is read once,
-written once as bf16 and read by the GEMM. Dequantisation is exact (an e4m3 or e2m1 value times a
-power-of-two E8M0 scale is a bf16 value), and so is the activations' FP8 quantisation kept as bf16
-(`act_fake_quant`), so every product is the reference's; only the fp32 summation order differs,
-and the routed experts' gate and up projections are rounded to bf16 before the SwiGLU
-(torch._grouped_mm writes bf16 only; the reference keeps them in float32).
+rows (FP8) or every 8 rows of an expert (FP4), hundreds of times a chunk; here it is read once.
+FP8 linears multiply their e4m3 weights and the activations' FP8 quantisation as they are, with
+DeepSeek's block scaling (1x128 activation blocks, 128x128 weight blocks: torch._scaled_mm),
+whose e4m3 sums keep about 12 bits of a 32-product step, as the decode kernels' wgmma. The FP4
+experts are turned into bf16 copies once per chunk (exact: an e2m1 value times a power-of-two
+E8M0 scale is a bf16 value, and so is the activations' FP8 quantisation kept as bf16,
+`act_fake_quant`), multiplied by torch._grouped_mm: every product is the reference's, only the
+fp32 summation order differs, and the routed experts' gate
+and up projections are rounded to bf16 before the SwiGLU (torch._grouped_mm writes bf16 only; the
+reference keeps them in float32).
 """
 
 from __future__ import annotations
@@ -70,15 +72,17 @@ def act_fake_quant(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def act_dequant(xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
-    """An act_quant result (e4m3 [M, K], float32 scales [M, K/128]) as bf16 values (exact)."""
-    m, k = xq.shape  # e4m3 values and power-of-two scales are bf16 values, and so are their products
-    return (xq.to(torch.bfloat16).view(m, k // 128, 128) * sx.to(torch.bfloat16).unsqueeze(-1)).view(m, k)
-
-
-def mm_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """bf16 x [M, K] @ w [N, K]ᵀ, fp32 accumulation, float32 [M, N] (cuBLAS)."""
-    return torch.mm(x, w.t(), out_dtype=torch.float32)
+def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """An act_quant result (e4m3 [M, K], float32 scales [M, K/128]) times an e4m3 weight [N, K]
+    with float32 scales [N/128, K/128], transposed: [M, N] of out_dtype (bf16 or float32; cuBLAS block scaling, which takes
+    the activations' scales M-major and the weight's as the transpose of the checkpoint's; it
+    wants whole 16-row tiles of them, so other row counts run padded with zero rows)."""
+    m, k = xq.shape
+    pad = -m % 16
+    if pad:
+        xq = torch.cat((xq.view(torch.uint8), xq.new_zeros((pad, k), dtype=torch.uint8))).view(torch.float8_e4m3fn)
+        sx = torch.cat((sx, sx.new_ones((pad, sx.shape[1]))))
+    return torch._scaled_mm(xq, w.t(), scale_a=sx.t().contiguous().t(), scale_b=w_scale.t(), out_dtype=out_dtype)[:m]
 
 
 def swiglu(gate_up: torch.Tensor, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -2,8 +2,8 @@
 computes them in reference numerics (routing is the router's).
 
 Decode-sized batches (below GROUPED_MIN_TOKENS tokens) run in the kernels described here; prompt
-chunks run as grouped bf16 GEMMs over a bf16 copy of the experts made once a chunk (`Moe._grouped`,
-dense.py).
+chunks run the routed experts as grouped bf16 GEMMs over a bf16 copy of them made once a chunk
+(`Moe._grouped`) and the shared expert as FP8 block-scaled GEMMs (`Fp8Expert.prefill`; dense.py).
 
 For T tokens with top-k experts there are P = T*k (token, expert) pairs. Pairs are sorted by
 expert, and each expert's weights are streamed once for all of its tokens (up to 8 a pass), so a
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dense import act_fake_quant, fp4_weight_bf16, fp8_weight_bf16, mm_f32, swiglu
+from .dense import act_fake_quant, fp4_weight_bf16, fp8_mm, swiglu
 from .linear import BLOCK, CTA_ROWS, MAX_TOKENS, GemmParams, act_quant, choose_splits, launch_fp8, scale_bytes, sm_count
 from .runtime import device_arch, get_kernel, ptr
 
@@ -113,6 +113,13 @@ class Fp8Expert:
         self.s1, self.s3, self.s2 = scale_bytes(self.s1), scale_bytes(self.s3), scale_bytes(self.s2)
         self.w1, self.w3, self.w2 = self.w1.contiguous(), self.w3.contiguous(), self.w2.contiguous()
 
+    def prefill(self, xq: torch.Tensor, sx: torch.Tensor, limit: float) -> torch.Tensor:
+        """A prompt chunk's output bf16 [T, D] from x's act_quant: FP8 block-scaled GEMMs
+        (dense.fp8_mm), gate and up in float32 as the reference keeps them."""
+        scale = lambda s: s.view(torch.float8_e8m0fnu).float()  # noqa: E731
+        gate_up = fp8_mm(xq, sx, torch.cat((self.w1, self.w3)), torch.cat((scale(self.s1), scale(self.s3))), torch.float32)
+        return fp8_mm(*act_quant(swiglu(gate_up, limit)), self.w2, scale(self.s2))
+
 
 class Moe:
     """y = Σ_routed + shared; `limit` is the SwiGLU clamp (swiglu_limit).
@@ -146,7 +153,7 @@ class Moe:
         if not 1 <= k <= 16 or self.routed.dim % 2048:
             raise ValueError(f"Moe: top-k must be 1..16 and D a multiple of 2048, got k={k}, D={self.routed.dim}")
         if t >= GROUPED_MIN_TOKENS and not torch.cuda.is_current_stream_capturing():  # (it syncs with the host once)
-            return self._combine(*self._grouped(x, weights, idx), idx, out)
+            return self._combine(*self._grouped(x, weights, idx, xq), idx, out)
         xq, sx = xq if xq is not None else act_quant(x)
         main = torch.cuda.current_stream(x.device)
         if self.side is None:
@@ -181,10 +188,11 @@ class Moe:
         )
         return out
 
-    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                 xq: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A prompt chunk's (routed outputs in pair order, shared output), both bf16: the pairs
         sorted by expert through torch._grouped_mm over the experts' bf16 copy, made
-        EXPERT_COPY_BYTES at a time; the shared expert through cuBLAS (dense.py)."""
+        EXPERT_COPY_BYTES at a time; the shared expert through cuBLAS (Fp8Expert.prefill)."""
         t, k = idx.shape
         r = self.routed
         n_experts, inter, dim = r.w1.shape[0], r.inter, r.dim
@@ -211,11 +219,7 @@ class Moe:
             h = act_fake_quant(swiglu(gate_up, self.limit, route_w[a:b]))
             y_sorted[a:b] = torch._grouped_mm(h, fp4_weight_bf16(r.w2[lo:hi], r.s2[lo:hi]).transpose(1, 2), offs=offs)
         y_routed = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
-        s = self.shared
-        w13 = torch.cat((fp8_weight_bf16(s.w1, s.s1), fp8_weight_bf16(s.w3, s.s3)))
-        h = act_fake_quant(swiglu(mm_f32(xf, w13), self.limit))
-        y_shared = mm_f32(h, fp8_weight_bf16(s.w2, s.s2)).to(torch.bfloat16)
-        return y_routed, y_shared
+        return y_routed, self.shared.prefill(*(xq if xq is not None else act_quant(x)), self.limit)
 
     def routed_gate_up(
         self,

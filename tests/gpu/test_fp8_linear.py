@@ -7,6 +7,7 @@ import pytest
 import torch
 from gpu_checks import compare, random_activations, random_fp8_weight
 
+from dsuf.gpu.dense import DENSE_MIN_ROWS
 from dsuf.gpu.linear import Fp8Linear, act_quant
 from dsuf.model import quant
 from dsuf.model.layers import Linear, Numerics
@@ -42,7 +43,7 @@ def reference(w: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> torch.Tensor
 
 
 @pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma on sm_90a", "mma.sync"])
-@pytest.mark.parametrize("m", [1, 8, 13, 32, 600])  # 600: a prompt chunk, on cuBLAS over the bf16 weight
+@pytest.mark.parametrize("m", [1, 8, 13, 32, 600, 1023])  # 600, 1023: prompt chunks, on cuBLAS (FP8 block scaling)
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_fp8_linear(cuda, monkeypatch, name, m, wgmma):
     from dsuf.gpu import linear
@@ -56,10 +57,12 @@ def test_fp8_linear(cuda, monkeypatch, name, m, wgmma):
     lin(x, out=out)
     ref = reference(w, s, x)
     rel, worst = compare(f"{name} [{n}, {k}] x {m} tokens", out, ref)
-    # bf16 rounding alone gives ~1e-3 relative and 0.5 ulp; the tensor cores sum each 128-block
-    # in fp32 in another order than the float64 reference.
+    # bf16 rounding alone gives ~1e-3 relative and 0.5 ulp; mma.sync sums each 128-block in fp32
+    # in another order than the float64 reference. FP8 wgmma (a prompt chunk's cuBLAS GEMM; at
+    # decode, the tile GEMM on sm_90a) keeps about 12 bits of each 32-product step's sum of
+    # |products|, a few ulps where the output cancels (a wrong block scale moves it by tens).
     assert rel < 2.5e-3
-    assert worst <= 1.0
+    assert worst <= (4.0 if wgmma or m >= DENSE_MIN_ROWS else 1.0)
     assert torch.equal(lin(x), out), "not deterministic"
 
 
