@@ -11,7 +11,7 @@
 //                    `iters` rounds in all); grid (T), one warp (lane 4j + k holds comb[j, k]).
 //   hc_expand:       X'_k = f32(post_k * out) + f32(sum_j comb[j, k] X_j (float64)), to bf16;
 //                    grid (D / 2048, T), 256 threads x 8 dims.
-//   hc_sum_squares:  a prompt chunk's sum(flat_t^2) in float64 (its dots: a float64 matmul).
+//   hc_chunk_mixes:  hc_mixes for a prompt chunk (8 tokens a CTA).
 // At decode a site's block input rms_norm(hc_collapse(X, pre)) needs only the mixes and pre:
 // rmsnorm.cu's hc_pre_collapse_rmsnorm_bf16 takes the mixes and forms pre itself, while
 // hc_coefficients makes post and comb (used only at the site's expand) on another stream.
@@ -78,30 +78,71 @@ extern "C" __global__ void __launch_bounds__(MIX_THREADS) hc_mixes(
   }
 }
 
-// A prompt chunk's RMS statistic of the mixes: ssq[t] = sum of x[t, :]^2 over the n*D stream
-// values in float64 (their dot products with fn are a float64 matmul); x [T, L] bf16, L % 8 == 0;
-// grid (T), 256 threads. (The reference squares a float64 copy of the streams, then averages.)
-extern "C" __global__ void __launch_bounds__(256) hc_sum_squares(const u16* __restrict__ x, double* __restrict__ ssq, int L) {
-  __shared__ double part[8];
+// hc_chunk_mixes: a prompt chunk's mixes, the sums of hc_mixes (float64 products of the bf16
+// stream values and float32 fn, and of their squares) in another order. x [T, L] bf16 (L = n*D, a
+// multiple of CM_CHUNK), fn [HC_MIXES, L]; grid (T / CM_TOKENS rounded up), 128 threads: warp w
+// takes fn rows CM_ROWS w .. + CM_ROWS for the CTA's tokens, staged as double in shared memory
+// CM_CHUNK values at a time, and the squares of tokens 2w, 2w + 1.
+#define CM_TOKENS 8
+#define CM_CHUNK 256
+#define CM_ROWS (HC_MIXES / 4)
+
+extern "C" __global__ void __launch_bounds__(128) hc_chunk_mixes(
+    const u16* __restrict__ x, const float* __restrict__ fn, float* __restrict__ mix, int L, int T, double eps) {
+  __shared__ double xs[CM_TOKENS][CM_CHUNK];
+  __shared__ double ssq[CM_TOKENS];
   pdl_begin();
-  const u16* row = x + (i64)blockIdx.x * L;
-  double s = 0.0;
-  for (int i = 8 * threadIdx.x; i < L; i += 8 * 256) {
-    const uint4 v = *reinterpret_cast<const uint4*>(row + i);
-    const u32 w[4] = {v.x, v.y, v.z, v.w};
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t0 = blockIdx.x * CM_TOKENS;
+  const float* fw = fn + (i64)CM_ROWS * warp * L;
+  double acc[CM_TOKENS][CM_ROWS], sq[2] = {0.0, 0.0};
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const double f = bf16_to_f32(k & 1 ? w[k >> 1] >> 16 : w[k >> 1] & 0xffff);
-      s += f * f;
+  for (int t = 0; t < CM_TOKENS; ++t)
+#pragma unroll
+    for (int r = 0; r < CM_ROWS; ++r) acc[t][r] = 0.0;
+  const int st = threadIdx.x >> 4, se = (threadIdx.x & 15) * 16;  // staging: token st, values se ..
+  for (int c0 = 0; c0 < L; c0 += CM_CHUNK) {
+    uint4 v[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};  // past T: zeros
+    if (t0 + st < T) {
+      const u16* src = x + (i64)(t0 + st) * L + c0 + se;
+      v[0] = *reinterpret_cast<const uint4*>(src);
+      v[1] = *reinterpret_cast<const uint4*>(src + 8);
+    }
+    __syncthreads();  // the previous chunk is no longer read
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const u32 w[4] = {v[h].x, v[h].y, v[h].z, v[h].w};
+#pragma unroll
+      for (int k = 0; k < 8; ++k) xs[st][se + 8 * h + k] = bf16_to_f32(k & 1 ? w[k >> 1] >> 16 : w[k >> 1] & 0xffff);
+    }
+    __syncthreads();
+#pragma unroll 2
+    for (int e = 0; e < CM_CHUNK / 32; ++e) {
+      const int i = 32 * e + lane;
+      double f[CM_ROWS];
+#pragma unroll
+      for (int r = 0; r < CM_ROWS; ++r) f[r] = fw[(i64)r * L + c0 + i];
+#pragma unroll
+      for (int t = 0; t < CM_TOKENS; ++t) {
+        const double xv = xs[t][i];
+#pragma unroll
+        for (int r = 0; r < CM_ROWS; ++r) acc[t][r] += xv * f[r];
+      }
+      sq[0] += xs[2 * warp][i] * xs[2 * warp][i];
+      sq[1] += xs[2 * warp + 1][i] * xs[2 * warp + 1][i];
     }
   }
-  s = warp_sum(s);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
+  sq[0] = warp_sum(sq[0]);
+  sq[1] = warp_sum(sq[1]);
+  if (lane == 0) ssq[2 * warp] = sq[0], ssq[2 * warp + 1] = sq[1];
   __syncthreads();
-  if (threadIdx.x == 0) {
-    double t = 0.0;
-    for (int w = 0; w < 8; ++w) t += part[w];
-    ssq[blockIdx.x] = t;
+#pragma unroll
+  for (int t = 0; t < CM_TOKENS; ++t) {
+    const float rs = (float)(1.0 / sqrt(ssq[t] / L + eps));
+#pragma unroll
+    for (int r = 0; r < CM_ROWS; ++r) {
+      const double d = warp_sum(acc[t][r]);
+      if (lane == 0 && t0 + t < T) mix[(i64)(t0 + t) * HC_MIXES + CM_ROWS * warp + r] = __fmul_rn((float)d, rs);
+    }
   }
 }
 

@@ -1,22 +1,23 @@
 // The MoE output of each token, as the reference MoE sums it: the routed experts' bf16 outputs
 // added in float32 in ascending expert order (starting from zero), then the shared expert's,
-// rounded once to bf16. routed [T*topk, D] (pair t*topk + j is token t's j-th expert),
-// shared [T, D], expert [T*topk]; out [T, D]. grid = (D / 2048, T), 256 threads x 8 elements.
+// rounded once to bf16. routed [rows, D]: pair t*topk + j (token t's j-th expert) at row
+// row_of[pair], or at row pair where row_of is null; shared [T, D], expert [T*topk]; out [T, D].
+// grid = (D / 2048, T), 256 threads x 8 elements.
 #include "common.cuh"
 
 #define MAX_TOPK 16
 
 extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
-    const u16* __restrict__ routed, const u16* __restrict__ shared, const int* __restrict__ expert,
-    u16* __restrict__ out, int D, int topk) {
+    const u16* __restrict__ routed, const int* __restrict__ row_of, const u16* __restrict__ shared,
+    const int* __restrict__ expert, u16* __restrict__ out, int D, int topk) {
   pdl_begin();
-  __shared__ int order[MAX_TOPK];
+  __shared__ i64 row[MAX_TOPK];  // the token's routed rows in ascending expert order
   const int tok = blockIdx.y;
   if (threadIdx.x < topk) {
-    const int mine = expert[tok * topk + threadIdx.x];
+    const int pair = tok * topk + threadIdx.x, mine = expert[pair];
     int rank = 0;
     for (int j = 0; j < topk; ++j) rank += expert[tok * topk + j] < mine;
-    order[rank] = threadIdx.x;
+    row[rank] = row_of ? row_of[pair] : pair;
   }
   __syncthreads();
 
@@ -27,7 +28,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
 #pragma unroll
   for (int r = 0; r <= MAX_TOPK; ++r) {
     if (r <= topk) {
-      const u16* src = r < topk ? routed + ((i64)tok * topk + order[r]) * D : shared + (i64)tok * D;
+      const u16* src = r < topk ? routed + row[r] * D : shared + (i64)tok * D;
       v[r] = *reinterpret_cast<const uint4*>(src + d);
     }
   }

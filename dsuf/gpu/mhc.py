@@ -8,6 +8,7 @@ there, and a kernel's float64 sums of squares."""
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,8 @@ from .runtime import get_kernel, ptr
 HC_N = 4  # streams (hc_mult); the kernels are written for 4
 MIX_THREADS = 512  # mirror of mhc.cu
 MIX_TOKEN_GROUPS = 8  # hc_mixes: CTAs a row of fn (each takes every 8th token)
+CHUNK_MIX_TOKENS = 8  # hc_chunk_mixes: tokens a CTA (CM_TOKENS in mhc.cu)
+CHUNK_MIX_VALUES = 256  # ... stream values staged at a time (CM_CHUNK)
 
 
 @dataclass
@@ -76,16 +79,16 @@ class HcSite:
         return self._from_mixes(self._mixes(x))
 
     def _chunk_mixes(self, x: torch.Tensor) -> torch.Tensor:
-        """A prompt chunk's mixes float32 [T, 24] of contiguous streams x, as HyperConnection.mixes
-        computes them: the dot products a float64 matmul (cuBLAS), the RMS statistic's float64
-        squares summed by hc_sum_squares from the bf16 streams (not a float64 copy squared)."""
-        t = x.shape[0]
-        flat = x.flatten(1)
-        ssq = torch.empty(t, dtype=torch.float64, device=x.device)
-        get_kernel("mhc", "hc_sum_squares", x.device)((t, 1, 1), 256, [ptr(flat), ptr(ssq), ctypes.c_int(flat.shape[1])])
-        rsqrt = torch.rsqrt(ssq / flat.shape[1] + self.norm_eps)
-        dots = torch.nn.functional.linear(flat.double(), self.fn.double())
-        return (dots.float() * rsqrt.float()[:, None]).contiguous()
+        """A prompt chunk's mixes float32 [T, 24] of contiguous streams x (hc_chunk_mixes: the
+        float64 sums of HyperConnection.mixes from the bf16 streams, no float64 copy of them)."""
+        t, n, d = x.shape
+        if n * d % CHUNK_MIX_VALUES:
+            raise ValueError(f"hc_chunk_mixes: n * D must be a multiple of {CHUNK_MIX_VALUES}, got {n * d}")
+        mix = torch.empty((t, self.fn.shape[0]), dtype=torch.float32, device=x.device)
+        get_kernel("mhc", "hc_chunk_mixes", x.device)(
+            (math.ceil(t / CHUNK_MIX_TOKENS), 1, 1), 128, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(n * d), ctypes.c_int(t), ctypes.c_double(self.norm_eps)]
+        )
+        return mix
 
     def _mixes(self, x: torch.Tensor) -> torch.Tensor:
         """The site's mixes float32 [T, 24] of contiguous streams x (decode sizes)."""

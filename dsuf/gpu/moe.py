@@ -153,7 +153,8 @@ class Moe:
         if not 1 <= k <= 16 or self.routed.dim % 2048:
             raise ValueError(f"Moe: top-k must be 1..16 and D a multiple of 2048, got k={k}, D={self.routed.dim}")
         if t >= GROUPED_MIN_TOKENS and not torch.cuda.is_current_stream_capturing():  # (it syncs with the host once)
-            return self._combine(*self._grouped(x, weights, idx, xq), idx, out)
+            y_sorted, row_of, y_shared = self._grouped(x, weights, idx, xq)
+            return self._combine(y_sorted, y_shared, idx, out, row_of)
         xq, sx = xq if xq is not None else act_quant(x)
         main = torch.cuda.current_stream(x.device)
         if self.side is None:
@@ -174,9 +175,11 @@ class Moe:
         y_shared.record_stream(main)
         return self._combine(y_routed, y_shared, idx, out)
 
-    def _combine(self, y_routed: torch.Tensor, y_shared: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """Per token, its routed outputs (bf16 [T*k, D], pair t*k + j) summed in ascending expert
-        order, then the shared expert's (bf16 [T, D]) -> bf16 [T, D]."""
+    def _combine(self, y_routed: torch.Tensor, y_shared: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None,
+                 row_of: torch.Tensor | None = None) -> torch.Tensor:
+        """Per token, its routed outputs (bf16 [T*k, D]: pair t*k + j at row row_of[pair], int32,
+        or at row pair) summed in ascending expert order, then the shared expert's (bf16 [T, D])
+        -> bf16 [T, D]."""
         t, k = idx.shape
         if out is None:
             out = torch.empty((t, self.routed.dim), dtype=torch.bfloat16, device=y_shared.device)
@@ -184,13 +187,14 @@ class Moe:
         get_kernel("moe_combine", "moe_combine_bf16", y_shared.device)(
             (self.routed.dim // 2048, t, 1),
             256,
-            [ptr(y_routed), ptr(y_shared), ptr(expert), ptr(out), ctypes.c_int(self.routed.dim), ctypes.c_int(k)],
+            [ptr(y_routed), ptr(row_of), ptr(y_shared), ptr(expert), ptr(out), ctypes.c_int(self.routed.dim), ctypes.c_int(k)],
         )
         return out
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
-                 xq: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A prompt chunk's (routed outputs in pair order, shared output), both bf16: the pairs
+                 xq: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A prompt chunk's (routed outputs sorted by expert, each pair's row among them, shared
+        output), the outputs bf16: the pairs
         sorted by expert through torch._grouped_mm over the experts' bf16 copy, made
         EXPERT_COPY_BYTES at a time; the shared expert through cuBLAS (Fp8Expert.prefill)."""
         t, k = idx.shape
@@ -218,8 +222,8 @@ class Moe:
             del w13
             h = act_fake_quant(swiglu(gate_up, self.limit, route_w[a:b]))
             y_sorted[a:b] = torch._grouped_mm(h, fp4_weight_bf16(r.w2[lo:hi], r.s2[lo:hi]).transpose(1, 2), offs=offs)
-        y_routed = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
-        return y_routed, self.shared.prefill(*(xq if xq is not None else act_quant(x)), self.limit)
+        row_of = torch.empty_like(order, dtype=torch.int32).index_copy_(0, order, torch.arange(t * k, dtype=torch.int32, device=x.device))
+        return y_sorted, row_of, self.shared.prefill(*(xq if xq is not None else act_quant(x)), self.limit)
 
     def routed_gate_up(
         self,

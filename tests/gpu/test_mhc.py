@@ -33,7 +33,7 @@ def assert_coefficients_close(got, ref, what: str, names=("pre", "post", "comb")
     assert bool((got[-1].sum(dim=-2) - 1).abs().max() < 1e-3), "comb columns must sum to ~1"
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 32, 600])  # 600: a prompt chunk (a float64 matmul and hc_sum_squares)
+@pytest.mark.parametrize("tokens", [1, 8, 32, 600, 517])  # 600, 517: prompt chunks (hc_chunk_mixes; 517: a partial CTA)
 def test_hc_coefficients(cuda, tokens):
     fn, base, scale = site(cuda)
     x = streams(tokens, cuda)

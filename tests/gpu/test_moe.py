@@ -94,8 +94,9 @@ def by_expert(idx: torch.Tensor, grouped: bool) -> torch.Tensor | None:
 # bits of the sum of |products| (measured on H200: at most 2.6e-4 of it over a k32 step, unbiased),
 # as in DeepSeek's own FP8 GEMMs. Outputs stay within bf16 roundings of the reference, but a
 # SwiGLU output h, rounded to e4m3 for w2, lands on the other side of a rounding more often; one
-# e4m3 step (2^-3 relative) of one h element moves its token's w2 outputs by up to ~1/30 of their
-# rms each. A wrong expert, row or weight moves every element of a token by far more.
+# e4m3 step (2^-3 relative) of one of a token's largest h elements (~4 rms) moves its w2 outputs
+# by ~5e-3 of their norm (1/4 over sqrt(I)), single elements by up to ~1/30 of their rms. A wrong
+# expert, row or weight moves every element of a token by far more.
 @pytest.fixture(params=["exact", "wgmma"])
 def sums(request, monkeypatch, cuda):
     from dsuf.gpu import linear
@@ -113,8 +114,8 @@ def assert_moe_output_close(name: str, out: torch.Tensor, ref: torch.Tensor, sum
     """Outputs [tokens, D] against the reference: every element within two roundings
     (exact sums), except tokens whose h crossed an e4m3 rounding (see `sums`)."""
     rel, worst = compare(name, out, ref)
-    if sums == "wgmma":
-        assert rel < 6e-3 and worst <= 128.0
+    if sums == "wgmma":  # a few such crossings a token
+        assert rel < 2e-2 and worst <= 128.0
         return
     assert rel < 4e-3
     # Exact sums cross an h rounding only where the reference's float64 order does not (seen once
@@ -143,7 +144,7 @@ def test_routed_gate_up(cuda, moe_pair, sums, tokens, grouped):
     ref = torch.cat(ref)
     rel, _ = compare(f"routed w1/w3 + SwiGLU + act_quant, {tokens} x {TOPK} pairs{', by expert' if grouped else ''}", got, ref)
     # Equal but where the sums put h on the other side of a bf16 / e4m3 rounding boundary.
-    assert rel < (2e-3 if sums == "exact" else 6e-3)
+    assert rel < (2e-3 if sums == "exact" else 1e-2)
     assert (got == ref).float().mean() > (0.998 if sums == "exact" else 0.99)
 
 
