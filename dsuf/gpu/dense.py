@@ -8,9 +8,8 @@ whose e4m3 sums keep about 12 bits of a 32-product step, as the decode kernels' 
 experts are turned into bf16 copies once per chunk (exact: an e2m1 value times a power-of-two
 E8M0 scale is a bf16 value, and so is the activations' FP8 quantisation kept as bf16,
 `act_fake_quant`), multiplied by torch._grouped_mm: every product is the reference's, only the
-fp32 summation order differs, and the routed experts' gate
-and up projections are rounded to bf16 before the SwiGLU (torch._grouped_mm writes bf16 only; the
-reference keeps them in float32).
+fp32 summation order differs, and the gate and up projections are rounded to bf16 before the
+SwiGLU (torch._grouped_mm writes bf16 only; the reference keeps them in float32).
 """
 
 from __future__ import annotations
@@ -74,9 +73,9 @@ def act_fake_quant(x: torch.Tensor) -> torch.Tensor:
 
 def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """An act_quant result (e4m3 [M, K], float32 scales [M, K/128]) times an e4m3 weight [N, K]
-    with float32 scales [N/128, K/128], transposed: [M, N] of out_dtype (bf16 or float32; cuBLAS block scaling, which takes
-    the activations' scales M-major and the weight's as the transpose of the checkpoint's; it
-    wants whole 16-row tiles of them, so other row counts run padded with zero rows)."""
+    with float32 scales [N/128, K/128], transposed: [M, N] of out_dtype (bf16 or float32). cuBLAS
+    block scaling takes the activations' scales M-major and the weight's as the transpose of the
+    checkpoint's, in whole 16-row tiles: other row counts run padded with zero rows."""
     m, k = xq.shape
     pad = -m % 16
     if pad:

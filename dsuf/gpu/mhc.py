@@ -2,8 +2,8 @@
 coefficients (`layers.HyperConnection.coefficients`), the block input it collapses the streams
 into (`HcSite.block_input`: rms_norm(hc_collapse(x, pre))) and the stream update
 (`layers.hc_expand`), numerically the reference's (float64 sums, float32 rounding where it
-rounds). A prompt chunk's mixes are a float64 matmul (cuBLAS), which beats the per-token kernels
-there, and a kernel's float64 sums of squares."""
+rounds). A prompt chunk's mixes come from hc_chunk_mixes (8 tokens a CTA), which beats the
+per-token kernel there."""
 
 from __future__ import annotations
 
