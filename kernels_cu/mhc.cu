@@ -86,6 +86,10 @@ extern "C" __global__ void __launch_bounds__(MIX_THREADS) hc_mixes(
 #define CM_TOKENS 8
 #define CM_CHUNK 256
 #define CM_ROWS (HC_MIXES / 4)
+// Where value i of a token's chunk sits: each 16-value block's order XOR-ed with the block's
+// number, so that the staging stores (a thread writes 16 consecutive values) and the loads (a
+// lane reads every 32nd) both spread over the banks.
+#define CM_AT(i) ((i) ^ (((i) >> 4) & 15))
 
 extern "C" __global__ void __launch_bounds__(128) hc_chunk_mixes(
     const u16* __restrict__ x, const float* __restrict__ fn, float* __restrict__ mix, int L, int T, double eps) {
@@ -112,23 +116,23 @@ extern "C" __global__ void __launch_bounds__(128) hc_chunk_mixes(
     for (int h = 0; h < 2; ++h) {
       const u32 w[4] = {v[h].x, v[h].y, v[h].z, v[h].w};
 #pragma unroll
-      for (int k = 0; k < 8; ++k) xs[st][se + 8 * h + k] = bf16_to_f32(k & 1 ? w[k >> 1] >> 16 : w[k >> 1] & 0xffff);
+      for (int k = 0; k < 8; ++k) xs[st][CM_AT(se + 8 * h + k)] = bf16_to_f32(k & 1 ? w[k >> 1] >> 16 : w[k >> 1] & 0xffff);
     }
     __syncthreads();
 #pragma unroll 2
     for (int e = 0; e < CM_CHUNK / 32; ++e) {
-      const int i = 32 * e + lane;
+      const int i = 32 * e + lane, at = CM_AT(i);
       double f[CM_ROWS];
 #pragma unroll
       for (int r = 0; r < CM_ROWS; ++r) f[r] = fw[(i64)r * L + c0 + i];
 #pragma unroll
       for (int t = 0; t < CM_TOKENS; ++t) {
-        const double xv = xs[t][i];
+        const double xv = xs[t][at];
 #pragma unroll
         for (int r = 0; r < CM_ROWS; ++r) acc[t][r] += xv * f[r];
       }
-      sq[0] += xs[2 * warp][i] * xs[2 * warp][i];
-      sq[1] += xs[2 * warp + 1][i] * xs[2 * warp + 1][i];
+      sq[0] += xs[2 * warp][at] * xs[2 * warp][at];
+      sq[1] += xs[2 * warp + 1][at] * xs[2 * warp + 1][at];
     }
   }
   sq[0] = warp_sum(sq[0]);
