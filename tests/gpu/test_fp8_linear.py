@@ -66,6 +66,20 @@ def test_fp8_linear(cuda, monkeypatch, name, m, wgmma):
     assert torch.equal(lin(x), out), "not deterministic"
 
 
+def test_a_prompt_chunk_off_hopper_takes_exact_bf16_copies(cuda, monkeypatch):
+    """Where cuBLAS may not take 128-block scales (not sm_90a), a prompt chunk's FP8 linear
+    multiplies exact bf16 copies of the activations' quantisation and the weight: within one
+    rounding, as mma.sync's sums."""
+    from dsuf.gpu import dense
+
+    monkeypatch.setattr(dense, "device_arch", lambda device: "sm_100a")
+    n, k = SHAPES["attn.wo_b"]
+    w, s = random_fp8_weight(n, k, cuda)
+    x = random_activations(600, k, cuda)
+    rel, worst = compare(f"attn.wo_b [{n}, {k}] x 600 tokens, bf16 copies", Fp8Linear(w, s)(x), reference(w, s, x))
+    assert rel < 2.5e-3 and worst <= 1.0
+
+
 def test_fp8_linear_beyond_one_launch(cuda):
     """More than 32 tokens run as 32-token slices."""
     n, k = SHAPES["attn.wq_a"]
