@@ -71,23 +71,22 @@ def act_fake_quant(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """An act_quant result (e4m3 [M, K], float32 scales [M, K/128]) times an e4m3 weight [N, K]
-    with float32 scales [N/128, K/128], transposed: [M, N] of out_dtype (bf16 or float32). cuBLAS
-    block scaling takes the activations' scales M-major and the weight's as the transpose of the
-    checkpoint's, in whole 16-row tiles: other row counts run padded with zero rows. Elsewhere
-    than on Hopper (where cuBLAS may not take 128-blocks) the same products through exact bf16
-    copies of both."""
+    with uint8 E8M0 scales [N/128, K/128], transposed: [M, N] of out_dtype (bf16 or float32).
+    cuBLAS block scaling takes the activations' scales M-major and the weight's as the transpose
+    of the checkpoint's, in whole 16-row tiles: other row counts run padded with zero rows.
+    Elsewhere than on Hopper (where cuBLAS may not take 128-blocks) the same products through
+    exact bf16 copies of both."""
     m, k = xq.shape
     if device_arch(xq.device) != "sm_90a":
-        n = w.shape[0]
         x = (xq.to(torch.bfloat16).view(m, k // 128, 128) * sx.to(torch.bfloat16).unsqueeze(-1)).view(m, k)
-        wb = (w.to(torch.bfloat16).view(n // 128, 128, k // 128, 128) * w_scale.to(torch.bfloat16)[:, None, :, None]).view(n, k)
-        return torch.mm(x, wb.t(), out_dtype=torch.float32).to(out_dtype)
+        return torch.mm(x, fp8_weight_bf16(w, scale).t(), out_dtype=torch.float32).to(out_dtype)
     pad = -m % 16
     if pad:
         xq = torch.cat((xq.view(torch.uint8), xq.new_zeros((pad, k), dtype=torch.uint8))).view(torch.float8_e4m3fn)
         sx = torch.cat((sx, sx.new_ones((pad, sx.shape[1]))))
+    w_scale = scale.view(torch.float8_e8m0fnu).float()
     return torch._scaled_mm(xq, w.t(), scale_a=sx.t().contiguous().t(), scale_b=w_scale.t(), out_dtype=out_dtype)[:m]
 
 

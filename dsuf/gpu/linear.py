@@ -152,7 +152,6 @@ class Fp8Linear:
             raise ValueError(f"Fp8Linear: scale shape {tuple(scale.shape)} != {(n // BLOCK, k // BLOCK)}")
         self.weight = weight.contiguous()
         self.scale = scale_bytes(scale)
-        self.scale_f32 = self.scale.view(torch.float8_e8m0fnu).float()  # for prompt chunks (dense.fp8_mm)
         self.counter = torch.zeros(n // CTA_ROWS, dtype=torch.int32, device=weight.device)
         # fp8_rows' rows a CTA for m = 1..ROWS_TOKENS tokens (its shared memory grows with m), or
         # None: K too long for a thread a (K block, token) scale, or no choice fits.
@@ -178,7 +177,7 @@ class Fp8Linear:
         m = xq.shape[0]
         n = self.out_features
         if m >= DENSE_MIN_ROWS:
-            y = fp8_mm(xq, sx, self.weight, self.scale_f32)
+            y = fp8_mm(xq, sx, self.weight, self.scale)
             return out.copy_(y) if out is not None else y
         if out is None:
             out = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)

@@ -116,9 +116,8 @@ class Fp8Expert:
     def prefill(self, xq: torch.Tensor, sx: torch.Tensor, limit: float) -> torch.Tensor:
         """A prompt chunk's output bf16 [T, D] from x's act_quant: FP8 block-scaled GEMMs
         (dense.fp8_mm), gate and up in float32 as the reference keeps them."""
-        scale = lambda s: s.view(torch.float8_e8m0fnu).float()  # noqa: E731
-        gate_up = fp8_mm(xq, sx, torch.cat((self.w1, self.w3)), torch.cat((scale(self.s1), scale(self.s3))), torch.float32)
-        return fp8_mm(*act_quant(swiglu(gate_up, limit)), self.w2, scale(self.s2))
+        gate_up = fp8_mm(xq, sx, torch.cat((self.w1, self.w3)), torch.cat((self.s1, self.s3)), torch.float32)
+        return fp8_mm(*act_quant(swiglu(gate_up, limit)), self.w2, self.s2)
 
 
 class Moe:

@@ -119,22 +119,31 @@ class Kernel:
 _lock = threading.Lock()
 
 
-@functools.cache
-def _library(source_name: str, arch: str):
+def load_library(cubin: bytes, what: str):
+    """A CUBIN loaded into the process (`what` names it in errors)."""
     driver = _driver()
     (err,) = driver.cuInit(0)
     _check(err, "cuInit")
-    cubin = KernelCache().get(load_source(source_name), arch)
     err, library = driver.cuLibraryLoadData(cubin, None, None, 0, None, None, 0)
-    _check(err, f"cuLibraryLoadData(kernels_cu/{source_name}.cu, {arch})")
+    _check(err, f"cuLibraryLoadData({what})")
     return library
+
+
+def library_kernel(library, name: str, what: str) -> Kernel:
+    """Kernel `name` of a loaded library."""
+    err, handle = _driver().cuLibraryGetKernel(library, name.encode())
+    _check(err, f"cuLibraryGetKernel({name} in {what})")
+    return Kernel(handle, name)
+
+
+@functools.cache
+def _library(source_name: str, arch: str):
+    return load_library(KernelCache().get(load_source(source_name), arch), f"kernels_cu/{source_name}.cu, {arch}")
 
 
 @functools.cache
 def _kernel(source_name: str, name: str, arch: str) -> Kernel:
-    err, handle = _driver().cuLibraryGetKernel(_library(source_name, arch), name.encode())
-    _check(err, f"cuLibraryGetKernel({name} in kernels_cu/{source_name}.cu)")
-    return Kernel(handle, name)
+    return library_kernel(_library(source_name, arch), name, f"kernels_cu/{source_name}.cu")
 
 
 def get_kernel(source_name: str, name: str, device: torch.device | int | None = None) -> Kernel:
