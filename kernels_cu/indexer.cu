@@ -7,9 +7,10 @@
 // scales [rows, 64, 4]; a key is the V4 68-byte entry (64 bytes of e2m1, even element in the low
 // nibble, then 4 scale bytes). One mma m16n8k32 (e4m3) per 32-dim block: 16 keys x 8 heads, exact
 // (e2m1 products summed over 32 fit the tensor cores' fp32 accumulation); the blocks are scaled
-// and summed in float64. A lane feeds the mma the bytes it loaded itself: the order of k inside
-// one mma is free as long as A and B agree (as in gemm.cu). grid (key chunks, rows), 8 warps, each
-// warp 16 keys at a time; keys past the row's count get -inf.
+// and summed in float32 where that is exact too (their scales close together, as after the
+// Hadamard rotation: see FAST_SPREAD), else in float64. A lane feeds the mma the bytes it loaded
+// itself: the order of k inside one mma is free as long as A and B agree (as in gemm.cu). grid
+// (key chunks, rows), 8 warps, each warp 16 keys at a time; keys past the row's count get -inf.
 //
 // fp4_quant_rows: the FP4 fake-quant of queries and keys (see below), as e4m3 values + scales or
 // as 68-byte entries.
@@ -51,15 +52,97 @@ DSUF_DEVICE u32 e2m1_hi(u32 w) { return (w & 0x80808080u) | ((w & 0x70707070u) >
 
 DSUF_DEVICE float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
+// A key's block scales (4 E8M0 bytes, exponent + 127) -> their smallest and largest.
+DSUF_DEVICE void key_scale_range(u32 s, int& lowest, int& highest) {
+  const int e0 = s & 0xff, e1 = (s >> 8) & 0xff, e2 = (s >> 16) & 0xff, e3 = s >> 24;
+  lowest = min(min(e0, e1), min(e2, e3));
+  highest = max(max(e0, e1), max(e2, e3));
+}
+
+// The 32-dim blocks' dot products of one (key, head) are integers times 2**-8 of at most 13 bits
+// (sums of 32 e2m1 x e2m1 products); scaled by powers of two whose exponents lie within
+// FAST_SPREAD of each other, their sum of four is exact in float32 (13 + 8 + 2 carry bits), as in
+// float64, and so is its rounding to float32, as long as the scales stay well inside float32's
+// range. FAST: the warp's keys and the row's queries allow that; the float64 path takes the rest.
+#define FAST_SPREAD 8
+
+template <bool FAST>
+DSUF_DEVICE void score_keys(const u32 (&wa)[4], const u32 (&wb)[4], u32 sa, u32 sb, const u32 (&b0)[8][4], const u32 (&b1)[8][4],
+                            const double* qs_s, const float* qf_s, const float* w_s, double& score_a, double& score_b) {
+  const int t = threadIdx.x & 3;
+  double ska[4], skb[4];
+  float fka[4], fkb[4];
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    fka[b] = e8m0_to_f32((sa >> (8 * b)) & 0xff);
+    fkb[b] = e8m0_to_f32((sb >> (8 * b)) & 0xff);
+    ska[b] = fka[b], skb[b] = fkb[b];
+  }
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int h0 = 8 * nt + 2 * t, h1 = h0 + 1;
+    double dot[4] = {0.0, 0.0, 0.0, 0.0};  // (ja, h0), (ja, h1), (jb, h0), (jb, h1)
+    float dof[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      float d[4];
+      mma_e4m3(d, e2m1_lo(wa[b]), e2m1_lo(wb[b]), e2m1_hi(wa[b]), e2m1_hi(wb[b]), b0[nt][b], b1[nt][b]);
+      if (FAST) {  // every product and partial sum exact: fused or not, the same value
+        const float q0 = qf_s[h0 * 4 + b], q1 = qf_s[h1 * 4 + b];
+        dof[0] = fmaf(d[0], q0 * fka[b], dof[0]);
+        dof[1] = fmaf(d[1], q1 * fka[b], dof[1]);
+        dof[2] = fmaf(d[2], q0 * fkb[b], dof[2]);
+        dof[3] = fmaf(d[3], q1 * fkb[b], dof[3]);
+      } else {
+        const double q0 = qs_s[h0 * 4 + b], q1 = qs_s[h1 * 4 + b];
+        dot[0] += (double)d[0] * (q0 * ska[b]);
+        dot[1] += (double)d[1] * (q1 * ska[b]);
+        dot[2] += (double)d[2] * (q0 * skb[b]);
+        dot[3] += (double)d[3] * (q1 * skb[b]);
+      }
+    }
+    float f[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = FAST ? dof[i] : (float)dot[i];
+    // relu(bf16(f32(dot))) * w_h in float32, summed in float64.
+    score_a += (double)(fmaxf(bf16_round(f[0]), 0.0f) * w_s[h0]);
+    score_a += (double)(fmaxf(bf16_round(f[1]), 0.0f) * w_s[h1]);
+    score_b += (double)(fmaxf(bf16_round(f[2]), 0.0f) * w_s[h0]);
+    score_b += (double)(fmaxf(bf16_round(f[3]), 0.0f) * w_s[h1]);
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(256) index_scores(const __grid_constant__ IndexParams p) {
   pdl_begin();
   __shared__ double qs_s[IDX_HEADS * 4];  // q scale * 64 (undoes the 2**-6 of the key bytes)
+  __shared__ float qf_s[IDX_HEADS * 4];   // the same in float32
   __shared__ float w_s[IDX_HEADS];
+  __shared__ int q_spread, q_lowest, q_highest, q_pow2;  // over the row's 64 heads: a head's largest exponent spread, the smallest and largest exponent, all powers of two
   const int row = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  for (int i = threadIdx.x; i < IDX_HEADS * 4; i += blockDim.x) qs_s[i] = 64.0 * (double)p.q_scale[(i64)row * IDX_HEADS * 4 + i];
+  if (threadIdx.x == 0) q_spread = 0, q_lowest = 255, q_highest = 0, q_pow2 = 1;
+  __syncthreads();
+  for (int i = threadIdx.x; i < IDX_HEADS * 4; i += blockDim.x) {
+    const float qs = 64.0f * p.q_scale[(i64)row * IDX_HEADS * 4 + i];
+    qs_s[i] = qs;
+    qf_s[i] = qs;
+    const u32 bits = __float_as_uint(qs);
+    if (bits & 0x807fffffu) atomicAnd(&q_pow2, 0);  // not a positive normal power of two
+    atomicMin(&q_lowest, (int)(bits >> 23));
+    atomicMax(&q_highest, (int)(bits >> 23));
+  }
   if (threadIdx.x < IDX_HEADS) {
     const float w = p.w[(i64)row * p.w_stride + threadIdx.x];
     w_s[threadIdx.x] = __fmul_rn(p.w_bf16 ? bf16_round(w) : w, p.w_scale);
+  }
+  __syncthreads();
+  if (threadIdx.x < IDX_HEADS) {  // a head's 4 block scales: their exponent spread
+    int hi = 0, lo = 255;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const int e = (int)(__float_as_uint(qf_s[threadIdx.x * 4 + b]) >> 23);
+      hi = max(hi, e), lo = min(lo, e);
+    }
+    atomicMax(&q_spread, hi - lo);
   }
 
   // B fragments of all 64 heads (8 tiles of 8) x 4 blocks: head 8 nt + g, elements 32 b + 8 t ..
@@ -74,6 +157,9 @@ extern "C" __global__ void __launch_bounds__(256) index_scores(const __grid_cons
       b1[nt][b] = __byte_perm(x.x, x.y, 0x7531);  // odd elements: k slots 16+4t ..
     }
   __syncthreads();
+  // The scales' exponents (q scale's + key scale's) between -87 and 100: products, terms and sums
+  // all normal float32 values with room to spare.
+  const int q_low = q_pow2 ? q_lowest - 127 : -1000, q_high = q_highest - 127, q_width = q_spread;
 
   const int n = p.n_keys[row];
   const u8* keys = p.keys + (i64)p.key_start[row] * IDX_ENTRY;
@@ -96,32 +182,16 @@ extern "C" __global__ void __launch_bounds__(256) index_scores(const __grid_cons
       for (int b = 0; b < 4; ++b) wb[b] = ldg_u32(k + 16 * b + 4 * t);
       sb = ldg_u32(k + 64);
     }
-    double ska[4], skb[4];
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      ska[b] = (double)e8m0_to_f32((sa >> (8 * b)) & 0xff);
-      skb[b] = (double)e8m0_to_f32((sb >> (8 * b)) & 0xff);
-    }
+    int low_a, high_a, low_b, high_b;
+    key_scale_range(sa, low_a, high_a);
+    key_scale_range(sb, low_b, high_b);
+    const bool fits = q_width + max(high_a - low_a, high_b - low_b) <= FAST_SPREAD && q_low + min(low_a, low_b) - 127 >= -87 &&
+                      q_high + max(high_a, high_b) - 127 <= 100;
     double score_a = 0.0, score_b = 0.0;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int h0 = 8 * nt + 2 * t, h1 = h0 + 1;
-      double dot[4] = {0.0, 0.0, 0.0, 0.0};  // (ja, h0), (ja, h1), (jb, h0), (jb, h1)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        float d[4];
-        mma_e4m3(d, e2m1_lo(wa[b]), e2m1_lo(wb[b]), e2m1_hi(wa[b]), e2m1_hi(wb[b]), b0[nt][b], b1[nt][b]);
-        const double q0 = qs_s[h0 * 4 + b], q1 = qs_s[h1 * 4 + b];
-        dot[0] += (double)d[0] * (q0 * ska[b]);
-        dot[1] += (double)d[1] * (q1 * ska[b]);
-        dot[2] += (double)d[2] * (q0 * skb[b]);
-        dot[3] += (double)d[3] * (q1 * skb[b]);
-      }
-      // relu(bf16(f32(dot))) * w_h in float32, summed in float64.
-      score_a += (double)(fmaxf(bf16_round((float)dot[0]), 0.0f) * w_s[h0]);
-      score_a += (double)(fmaxf(bf16_round((float)dot[1]), 0.0f) * w_s[h1]);
-      score_b += (double)(fmaxf(bf16_round((float)dot[2]), 0.0f) * w_s[h0]);
-      score_b += (double)(fmaxf(bf16_round((float)dot[3]), 0.0f) * w_s[h1]);
+    if (__all_sync(0xffffffffu, fits)) {
+      score_keys<true>(wa, wb, sa, sb, b0, b1, qs_s, qf_s, w_s, score_a, score_b);
+    } else {
+      score_keys<false>(wa, wb, sa, sb, b0, b1, qs_s, qf_s, w_s, score_a, score_b);
     }
     score_a += __shfl_xor_sync(0xffffffffu, score_a, 1);
     score_a += __shfl_xor_sync(0xffffffffu, score_a, 2);

@@ -23,10 +23,11 @@ from dsuf.model.v4 import select_topk
 HEADS, DIM, TOPK = 64, 128, 512
 
 
-def fp4_values(shape, device) -> torch.Tensor:
+def fp4_values(shape, device, octaves: int = 10) -> torch.Tensor:
     """Random FP4 fake-quantised values (bf16) as the reference holds its indexer queries / keys,
-    with block magnitudes over several octaves."""
-    x = torch.randn(*shape, device=device) * torch.exp2(torch.randint(-6, 4, (*shape[:-1], shape[-1] // 32), device=device).float()).repeat_interleave(32, -1)
+    with block magnitudes over `octaves` octaves."""
+    spread = torch.randint(-6, octaves - 6, (*shape[:-1], shape[-1] // 32), device=device).float()
+    x = torch.randn(*shape, device=device) * torch.exp2(spread).repeat_interleave(32, -1)
     return quant.fp4_fake_quant_ue8m0(x.to(torch.bfloat16), 32)
 
 
@@ -57,16 +58,23 @@ def test_fp4_quantize_is_the_reference_fake_quant(cuda):
     assert int((pool.sum(-1) != 0).sum()) <= 500, "wrote outside its rows"
 
 
+# Block magnitudes over 10 octaves (the kernel's float64 path: block scales too far apart for exact
+# float32 sums) or 3 (as after the Hadamard rotation: its float32 path), and both in one row.
+@pytest.mark.parametrize("octaves", [10, 3, "3 and 10"])
 @pytest.mark.parametrize("n_keys", [[1000], [4096, 4000, 1, 3000, 4096, 17, 2048, 4095], [16384], [262144]])
-def test_index_scores(cuda, n_keys):
+def test_index_scores(cuda, n_keys, octaves):
     rows, max_keys = len(n_keys), max(n_keys)
-    q = fp4_values((rows, HEADS, DIM), cuda)
+    key_octaves = 3 if octaves == "3 and 10" else octaves
+    q = fp4_values((rows, HEADS, DIM), cuda, 3 if octaves == "3 and 10" else octaves)
     # weights_proj(x) in bf16 times (128 * 64) ** -0.5 in float32, as the reference forms them.
     w = (torch.randn(rows, HEADS, device=cuda) * 4).to(torch.bfloat16).float() * (DIM**-0.5 * HEADS**-0.5)
     starts, pool = [], []
     for n in n_keys:  # each row's keys in its own stretch of one pool, after some padding
         starts.append(sum(k.shape[0] for k in pool) + 5)
-        pool += [pack_index_keys(fp4_values((5, DIM), cuda)), pack_index_keys(fp4_values((n, DIM), cuda))]
+        keys = fp4_values((n, DIM), cuda, key_octaves)
+        if octaves == "3 and 10":  # every third key's blocks far apart: warps of either path
+            keys[::3] = fp4_values((len(keys[::3]), DIM), cuda, 10)
+        pool += [pack_index_keys(fp4_values((5, DIM), cuda)), pack_index_keys(keys)]
     pool = torch.cat(pool)
     key_start = torch.tensor(starts, dtype=torch.int32, device=cuda)
     n_dev = torch.tensor(n_keys, dtype=torch.int32, device=cuda)
