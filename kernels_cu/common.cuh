@@ -347,7 +347,11 @@ DSUF_DEVICE void wgmma_wait() {
 #endif
 }
 
-DSUF_DEVICE void pin(float (&d)[4]) { asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])::"memory"); }
+template <int N>
+DSUF_DEVICE void pin(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
 DSUF_DEVICE void pin(u32& a) { asm volatile("" : "+r"(a)::"memory"); }
 DSUF_DEVICE void pin(uint4& a) { asm volatile("" : "+r"(a.x), "+r"(a.y), "+r"(a.z), "+r"(a.w)::"memory"); }
 
@@ -360,15 +364,59 @@ DSUF_DEVICE void wgmma_e4m3_rs(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u64 d
   d[0] = r[0], d[1] = r[1], d[2] = r[2], d[3] = r[3];
 }
 
+// D (+)= A (64x32 e4m3, registers as wgmma_e4m3's) times B (32xN e4m3, shared memory: desc_b),
+// fp32: per warp d[4j .. 4j + 3] = mma_e4m3's D of columns 8j .. 8j + 7 (N/2 floats). Only
+// issued: the caller fences before it, commits, waits (wgmma_wait_for<N>) and then pins D and the
+// register operands, which the tensor cores use until then.
+template <bool ACC>
+DSUF_DEVICE void wgmma_e4m3_n64_issue(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "n"(ACC ? 1 : 0));
+#else
+  __trap();  // the host picks the wgmma kernels on sm_90a only
+#endif
+}
+
+template <bool ACC>
+DSUF_DEVICE void wgmma_e4m3_n128_issue(float (&d)[64], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "n"(ACC ? 1 : 0));
+#else
+  __trap();  // the host picks the wgmma kernels on sm_90a only
+#endif
+}
+
+DSUF_DEVICE void wgmma_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+
+// Until at most N committed groups of this warpgroup are still running.
+template <int N>
+DSUF_DEVICE void wgmma_wait_for() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+
 // Generic-proxy shared-memory writes made visible to the tensor cores' (async proxy) reads.
 DSUF_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // ---- bulk copies global -> shared memory, completed on an mbarrier (sm_90) ----
 
-// One thread: n barriers each expecting one arrival (the thread that posts the copies), made
+// One thread: n barriers each expecting `arrivals` (the thread that posts the copies), made
 // visible to the copy engine by one fence; the CTA synchronises before anyone waits on them.
-DSUF_DEVICE void mbar_init(u64* bars, int n = 1) {
-  for (int b = 0; b < n; ++b) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[b])) : "memory");
+DSUF_DEVICE void mbar_init(u64* bars, int n = 1, int arrivals = 1) {
+  for (int b = 0; b < n; ++b) asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&bars[b])), "r"(arrivals) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
@@ -377,10 +425,26 @@ DSUF_DEVICE void mbar_expect_bytes(u64* bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 
+// One of the arrivals a barrier expects.
+DSUF_DEVICE void mbar_arrive(u64* bar) { asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory"); }
+
 // `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to this CTA's shared memory.
 DSUF_DEVICE void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+// A TMA tensor map (CUtensorMap, made on the host by cuTensorMapEncodeTiled): kept in a
+// __grid_constant__ kernel parameter, whose address the copies take.
+struct __align__(64) TensorMap {
+  u64 opaque[16];
+};
+
+// The box at column x (bytes), row y of a 2D tensor map into this CTA's shared memory, row after row.
+DSUF_DEVICE void tma_copy_2d(void* dst, const TensorMap* map, int x, int y, u64* bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+               ::"r"(smem_addr(dst)), "l"(map), "r"(x), "r"(y), "r"(smem_addr(bar))
                : "memory");
 }
 

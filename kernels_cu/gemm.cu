@@ -20,7 +20,7 @@
 // (mat 1 is the SwiGLU "up" matrix), grid.z = item (an expert/token pair, or 0). Each CTA reduces
 // its K range; with several CTAs per output tile the partials go to global memory and the last CTA
 // to arrive (atomic counter) sums them in split order, so results are deterministic.
-#include "common.cuh"
+#include "fp4.cuh"
 
 struct GemmParams {
   const u8* w[2];         // weights of mat 0 (or the gate) and mat 1 (the up projection)
@@ -42,18 +42,6 @@ struct GemmParams {
 enum { FMT_FP8 = 0, FMT_FP4 = 1 };
 enum { EPI_STORE_BF16 = 0, EPI_SWIGLU = 1 };
 
-DSUF_DEVICE u32 ld_nc4(const void* p) {
-  u32 v;
-  asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-// A kernel-layout FP4 word (moe.permute_fp4) to two words of e4m3 bytes holding value * 2**-6
-// (exact: an e2m1 code's 3 magnitude bits are the e4m3 exponent's low bits and mantissa's top
-// bit, subnormals included): byte j of `odd` from byte j's odd element, of `even` from its even
-// element. The load-time bit layout makes `odd` one mask and `even` two rotations and masks.
-DSUF_DEVICE u32 fp4_odd_e4m3(u32 w) { return w & 0x9c9c9c9cu; }
-DSUF_DEVICE u32 fp4_even_e4m3(u32 w) { return (__funnelshift_l(w, w, 2) & 0x88888888u) | (__funnelshift_r(w, w, 4) & 0x14141414u); }
 
 // Where a lane's activation columns live: xb[j] = row of column j*8 + g (its B fragment),
 // xa[j] / xa1[j] = rows of columns j*8 + 2t and j*8 + 2t + 1 (its accumulators); -1: no column.
@@ -204,12 +192,6 @@ DSUF_DEVICE void fp4_load_w(Fp4WStage<U>& st, const u8* wa, const u8* sa, int K,
   }
 }
 
-// Byte I (compile-time) of four E8M0 codes as float: e8m0_to_f32's value (code 0: 2**-127).
-template <int I>
-DSUF_DEVICE float e8m0_byte(u32 s) {
-  const u32 bits = (I < 3 ? s << (23 - 8 * I) : s >> 1) & 0x7f800000u;
-  return __int_as_float(max(bits, 0x00400000u));
-}
 
 // The activations of k-step s in the wgmma variant: B of wgmma_e4m3_rs, 256 bytes: two core
 // matrices (logical k 0-15, 16-31) of the 8 columns' 16 bytes, k ordered as mma_e4m3's (see

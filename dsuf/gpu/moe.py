@@ -2,8 +2,10 @@
 computes them in reference numerics (routing is the router's).
 
 Decode-sized batches (below GROUPED_MIN_TOKENS tokens) run in the kernels described here; prompt
-chunks run the routed experts as grouped bf16 GEMMs over a bf16 copy of them made once a chunk
-(`Moe._grouped`) and the shared expert as FP8 block-scaled GEMMs (`Fp8Expert.prefill`; dense.py).
+chunks (`Moe._grouped`) run the routed experts as one GEMM a matrix over all pairs, straight from
+the FP4 weights on sm_90a (kernels_cu/moe_prefill.cu, when every 128-element chunk's block scales
+fit: Fp4Experts.chunks_fit), else as grouped bf16 GEMMs over a bf16 copy of them made once a
+chunk; and the shared expert as FP8 block-scaled GEMMs (`Fp8Expert.prefill`; dense.py).
 
 For T tokens with top-k experts there are P = T*k (token, expert) pairs. Pairs are sorted by
 expert, and each expert's weights are streamed once for all of its tokens (up to 8 a pass), so a
@@ -27,7 +29,7 @@ import torch
 
 from .dense import act_fake_quant, fp4_weight_bf16, fp8_mm, swiglu
 from .linear import BLOCK, CTA_ROWS, MAX_TOKENS, GemmParams, act_quant, choose_splits, launch_fp8, scale_bytes, sm_count
-from .runtime import device_arch, get_kernel, ptr
+from .runtime import TensorMap, device_arch, get_kernel, ptr, tensor_map_2d
 
 FP4_BLOCK = 32  # elements per E8M0 scale of an FP4 expert weight
 FP4_MAX_CHUNKS = 16  # 128-element K chunks one CTA of the FP4 kernels covers (gemm.cu)
@@ -38,6 +40,11 @@ FP4_MAX_CHUNKS = 16  # 128-element K chunks one CTA of the FP4 kernels covers (g
 FP4_PRODUCTS: str | None = None
 FP4_VARIANT: str | None = None
 FP4_SPLITS: int | None = None
+PREFILL_WGMMA = True  # prompt chunks' routed experts by moe_prefill_fp4 on sm_90a (tests turn it off)
+PREFILL_COLS = 128  # pairs a tile of moe_prefill_fp4 (PF_COLS in moe_prefill.cu)
+PREFILL_IMAGE_BYTES = 4 * 32 * PREFILL_COLS + 4 * PREFILL_COLS  # a tile's activations of one 128-element chunk and their scales
+PREFILL_SLOTS_BYTES = 6 * (PREFILL_IMAGE_BYTES + 128 * 64)  # its ring: PF_SLOTS chunks of B and of 128 weight rows
+PREFILL_OCTAVES = 12  # moe_prefill_fp4 scales a chunk's four k-steps' e4m3 codes by up to 2**12 (PfRowScale)
 GROUPED_MIN_TOKENS = 1024  # from here the experts' bf16 copy (read once) beats the FP4 kernels' passes of 8 tokens an expert
 EXPERT_COPY_BYTES = 2 << 30  # the bf16 copy is made this many bytes of experts at a time
 
@@ -61,10 +68,24 @@ def permute_fp4(packed: torch.Tensor) -> torch.Tensor:
     return new.reshape(u.shape)
 
 
+def chunk_exponents_fit(packed: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether moe_prefill_fp4 sums every 128-element chunk of these FP4 rows (checkpoint layout
+    [..., K/2], E8M0 [..., K/32]) exactly in the tensor cores: each 32-element block more than
+    PREFILL_OCTAVES below its chunk's largest scale has only zero codes (its e4m3 codes would need
+    a smaller scale than the chunk's base)."""
+    s = scales.contiguous().view(torch.uint8).reshape(*scales.shape[:-1], -1, 4).int()
+    low = s < s.amax(-1, keepdim=True) - PREFILL_OCTAVES
+    if not bool(low.any()):
+        return True
+    codes = packed.contiguous().view(torch.uint8).reshape(*packed.shape[:-1], -1, 4, 16)
+    return not bool((low & ((codes & 0x77) != 0).any(-1)).any())
+
+
 @dataclass
 class Fp4Experts:
     """Routed experts stacked along dim 0: w1/w3 [E, I, D/2], w2 [E, D, I/2] in kernel layout
-    (permute_fp4), scales [E, rows, K/32] as uint8 E8M0 codes."""
+    (permute_fp4), scales [E, rows, K/32] as uint8 E8M0 codes; chunks_fit: whether every
+    matrix's chunks fit moe_prefill_fp4 (chunk_exponents_fit)."""
 
     w1: torch.Tensor
     s1: torch.Tensor
@@ -72,6 +93,7 @@ class Fp4Experts:
     s3: torch.Tensor
     w2: torch.Tensor
     s2: torch.Tensor
+    chunks_fit: bool = True
 
     @staticmethod
     def from_checkpoint(w1, s1, w3, s3, w2, s2) -> "Fp4Experts":
@@ -86,7 +108,8 @@ class Fp4Experts:
         if i % CTA_ROWS or d % CTA_ROWS:
             raise ValueError(f"Fp4Experts: dims must be multiples of {CTA_ROWS}, got I={i}, D={d}")
         return Fp4Experts(
-            permute_fp4(w1), scale_bytes(s1), permute_fp4(w3), scale_bytes(s3), permute_fp4(w2), scale_bytes(s2)
+            permute_fp4(w1), scale_bytes(s1), permute_fp4(w3), scale_bytes(s3), permute_fp4(w2), scale_bytes(s2),
+            all(chunk_exponents_fit(w, s) for w, s in ((w1, s1), (w3, s3), (w2, s2))),
         )
 
     @property
@@ -96,6 +119,41 @@ class Fp4Experts:
     @property
     def inter(self) -> int:
         return self.w1.shape[1]
+
+
+def prefill_tiles(bounds: list[int], device: torch.device) -> torch.Tensor:
+    """moe_prefill_fp4's tiles int32 [tiles, 3] (expert, first pair, pairs): each expert's run
+    bounds[e] .. bounds[e + 1] of the sorted pairs in pieces of up to PREFILL_COLS."""
+    runs = [(e, p0, min(PREFILL_COLS, bounds[e + 1] - p0)) for e in range(len(bounds) - 1) for p0 in range(bounds[e], bounds[e + 1], PREFILL_COLS)]
+    return torch.tensor(runs, dtype=torch.int32).reshape(-1, 3).to(device)
+
+
+def prefill_images(xq: torch.Tensor, sx: torch.Tensor, x_row: torch.Tensor | None, tiles: torch.Tensor) -> torch.Tensor:
+    """The tiles' activations (e4m3 [rows, K] and their scales [rows, K/128]; pair p's row
+    x_row[p], or p) as moe_prefill_fp4 reads them: uint8 [tiles, K/128, PREFILL_IMAGE_BYTES]."""
+    k = xq.shape[1]
+    images = torch.empty((tiles.shape[0], k // 128, PREFILL_IMAGE_BYTES), dtype=torch.uint8, device=xq.device)
+    get_kernel("moe_prefill", "moe_prefill_images", xq.device)(
+        (k // 128, tiles.shape[0], 1), 4 * PREFILL_COLS, [ptr(xq), ptr(sx), ptr(x_row), ptr(tiles), ptr(images), ctypes.c_int(k)]
+    )
+    return images
+
+
+class PrefillParams(ctypes.Structure):
+    """Mirror of `struct PrefillParams` in kernels_cu/moe_prefill.cu."""
+
+    _fields_ = [
+        ("w", TensorMap * 2),
+        ("ws", TensorMap * 2),
+        ("images", ctypes.c_void_p),
+        ("tiles", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("N", ctypes.c_int),
+        ("K", ctypes.c_int),
+        ("out_cols", ctypes.c_int),
+        ("out_f32", ctypes.c_int),
+        ("_pad", ctypes.c_byte * 24),  # to the C struct's size, a multiple of its 64-byte alignment
+    ]
 
 
 @dataclass
@@ -193,20 +251,58 @@ class Moe:
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                  xq: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A prompt chunk's (routed outputs sorted by expert, each pair's row among them, shared
-        output), the outputs bf16: the pairs
-        sorted by expert through torch._grouped_mm over the experts' bf16 copy, made
+        output), the outputs bf16. The routed experts by moe_prefill_fp4 straight from their FP4
+        weights on sm_90a (PREFILL_WGMMA, chunks_fit), else by torch._grouped_mm over their bf16 copy made
         EXPERT_COPY_BYTES at a time; the shared expert through cuBLAS (Fp8Expert.prefill)."""
         t, k = idx.shape
-        r = self.routed
-        n_experts, inter, dim = r.w1.shape[0], r.inter, r.dim
-        xf = act_fake_quant(x)
+        xq, sx = xq if xq is not None else act_quant(x)
         expert = idx.reshape(-1).long()
         order = torch.argsort(expert, stable=True)
-        ends = torch.bincount(expert, minlength=n_experts).cumsum(0)
+        ends = torch.bincount(expert, minlength=self.routed.w1.shape[0]).cumsum(0)
         bounds = [0] + ends.tolist()  # one host sync: each expert's rows among the sorted pairs
-        xs = xf.index_select(0, order // k)
         route_w = weights.reshape(-1).float().index_select(0, order)
-        y_sorted = torch.empty((t * k, dim), dtype=torch.bfloat16, device=x.device)
+        if PREFILL_WGMMA and self.routed.chunks_fit and device_arch(x.device) == "sm_90a" and self.routed.inter % 512 == 0:
+            y_sorted = self._routed_prefill(xq, sx, (order // k).int(), bounds, route_w)
+        else:
+            y_sorted = self._routed_bf16(x, order // k, bounds, ends, route_w)
+        row_of = torch.empty_like(order, dtype=torch.int32).index_copy_(0, order, torch.arange(t * k, dtype=torch.int32, device=x.device))
+        return y_sorted, row_of, self.shared.prefill(xq, sx, self.limit)
+
+    def _routed_prefill(self, xq: torch.Tensor, sx: torch.Tensor, x_row: torch.Tensor, bounds: list[int], route_w: torch.Tensor) -> torch.Tensor:
+        """The sorted pairs' routed outputs bf16 [P, D] by moe_prefill_fp4: gate and up in float32
+        (as the reference keeps them), the SwiGLU with the routing weight, h's act_quant, then w2."""
+        r = self.routed
+        pairs = len(route_w)
+        tiles = prefill_tiles(bounds, xq.device)
+        gate_up = torch.empty((pairs, 2 * r.inter), dtype=torch.float32, device=xq.device)
+        self.prefill_gemm(((r.w1, r.s1), (r.w3, r.s3)), prefill_images(xq, sx, x_row, tiles), tiles, gate_up)
+        hq, sh = act_quant(swiglu(gate_up, self.limit, route_w))
+        y_sorted = torch.empty((pairs, r.dim), dtype=torch.bfloat16, device=xq.device)
+        self.prefill_gemm(((r.w2, r.s2),), prefill_images(hq, sh, None, tiles), tiles, y_sorted)
+        return y_sorted
+
+    @staticmethod
+    def prefill_gemm(mats: tuple[tuple[torch.Tensor, torch.Tensor], ...], images: torch.Tensor, tiles: torch.Tensor, out: torch.Tensor) -> None:
+        """out[:, i*N:(i+1)*N] = the tiles' pairs times FP4 matrix i of their expert (moe_prefill_fp4)."""
+        _, n, half = mats[0][0].shape
+        k = 2 * half
+        if n % 128 or k % 512 or k > 8192:  # (K/32 scale bytes a row: one TMA box of at most 256)
+            raise ValueError(f"moe_prefill_fp4: need N % 128 == 0 and K % 512 == 0, K <= 8192, got N={n}, K={k}")
+        p = PrefillParams()
+        for i, (w, ws) in enumerate(mats):
+            p.w[i], p.ws[i] = tensor_map_2d(w, 64, 128), tensor_map_2d(scale_bytes(ws), k // 32, 128)
+        p.images, p.tiles, p.out = images.data_ptr(), tiles.data_ptr(), out.data_ptr()
+        p.N, p.K, p.out_cols, p.out_f32 = n, k, out.shape[1], int(out.dtype == torch.float32)
+        shared = PREFILL_SLOTS_BYTES + 128 * k // 32  # and the CTA's rows' weight scales
+        get_kernel("moe_prefill", "moe_prefill_fp4", images.device)((len(mats) * n // 128, tiles.shape[0], 1), 256, [p], shared=shared)
+
+    def _routed_bf16(self, x: torch.Tensor, x_row: torch.Tensor, bounds: list[int], ends: torch.Tensor, route_w: torch.Tensor) -> torch.Tensor:
+        """The sorted pairs' routed outputs bf16 [P, D] by torch._grouped_mm over the experts' bf16
+        copy (gate and up rounded to bf16 there, which the reference keeps in float32)."""
+        r = self.routed
+        n_experts, inter, dim = r.w1.shape[0], r.inter, r.dim
+        xs = act_fake_quant(x).index_select(0, x_row)
+        y_sorted = torch.empty((len(route_w), dim), dtype=torch.bfloat16, device=x.device)
         group = max(1, EXPERT_COPY_BYTES // (3 * inter * dim * 2))
         for lo in range(0, n_experts, group):
             hi = min(n_experts, lo + group)
@@ -221,8 +317,7 @@ class Moe:
             del w13
             h = act_fake_quant(swiglu(gate_up, self.limit, route_w[a:b]))
             y_sorted[a:b] = torch._grouped_mm(h, fp4_weight_bf16(r.w2[lo:hi], r.s2[lo:hi]).transpose(1, 2), offs=offs)
-        row_of = torch.empty_like(order, dtype=torch.int32).index_copy_(0, order, torch.arange(t * k, dtype=torch.int32, device=x.device))
-        return y_sorted, row_of, self.shared.prefill(*(xq if xq is not None else act_quant(x)), self.limit)
+        return y_sorted
 
     def routed_gate_up(
         self,

@@ -151,3 +151,29 @@ def get_kernel(source_name: str, name: str, device: torch.device | int | None = 
     or read from the cache on first use, then held for the process)."""
     with _lock:
         return _kernel(source_name, name, device_arch(device))
+
+
+TensorMap = ctypes.c_uint64 * 16  # a CUtensorMap's 128 opaque bytes (struct TensorMap in common.cuh)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_map_2d(address: int, rows: int, row_bytes: int, box_bytes: int, box_rows: int) -> TensorMap:
+    driver = _driver()
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    err, tmap = driver.cuTensorMapEncodeTiled(
+        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, address,
+        [u64(row_bytes), u64(rows)], [u64(row_bytes)], [u32(box_bytes), u32(box_rows)], [u32(1), u32(1)],
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B, driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    )
+    _check(err, "cuTensorMapEncodeTiled")
+    return TensorMap(*(int(word) for word in tmap.opaque))
+
+
+def tensor_map_2d(t: torch.Tensor, box_bytes: int, box_rows: int) -> TensorMap:
+    """A TMA map of a contiguous tensor seen as rows of bytes (its last dimension), copied in
+    boxes of box_bytes x box_rows (tma_copy_2d); the maps of long-lived tensors (weights) are kept."""
+    if not t.is_contiguous() or t.data_ptr() % 16 or (t.shape[-1] * t.element_size()) % 16:
+        raise ValueError(f"tensor_map_2d: need a contiguous, 16-byte aligned tensor of 16-byte rows, got {tuple(t.shape)} {t.dtype}")
+    row_bytes = t.shape[-1] * t.element_size()
+    return _tensor_map_2d(t.data_ptr(), t.numel() * t.element_size() // row_bytes, row_bytes, box_bytes, box_rows)

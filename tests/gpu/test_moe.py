@@ -183,15 +183,93 @@ def test_moe_decode(cuda, moe_pair, sums, tokens):
     assert torch.equal(kernel(x, weights, idx), out), "not deterministic"
 
 
-def test_moe_of_a_prompt_chunk(cuda, moe_pair):
-    """From GROUPED_MIN_TOKENS tokens the experts run as grouped bf16 GEMMs over their bf16 copy
-    (torch._grouped_mm): the routed gate and up are rounded to bf16 there, which the reference
-    keeps in float32. The relative error stays near the decode kernels'; single elements move
-    further, because a one-ulp change of h can move its FP8 rounding for w2 by a whole e4m3 step
-    (2**-3 relative, 32 bf16 ulps). A misplaced pair or expert would give an error near 1."""
-    from dsuf.gpu.moe import GROUPED_MIN_TOKENS
+def spread_fp4_weight(experts: int, n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random FP4 experts (checkpoint layout: int8 [E, n, k/2], uint8 E8M0 [E, n, k/32]) whose
+    32-element blocks' scales spread over 0 to PREFILL_OCTAVES octaves within each 128-element
+    chunk, and one block in 16 all zero codes with a scale 40 octaves below: every offset
+    moe_prefill_fp4 applies, and the blocks it may scale wrongly because they are zero."""
+    from dsuf.gpu.moe import PREFILL_OCTAVES
 
+    codes = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, device=device)
+    scales = torch.randint(120, 121 + PREFILL_OCTAVES, (experts, n, k // 32), dtype=torch.uint8, device=device)
+    zero = torch.rand(experts, n, k // 32, device=device) < 1 / 16
+    codes.view(experts, n, k // 32, 16).masked_fill_(zero.unsqueeze(-1), 0)
+    scales.masked_fill_(zero, 80)
+    return codes.view(torch.int8), scales
+
+
+def test_prefill_gemm_sums_are_the_products_within_wgmma_precision(cuda):
+    """moe_prefill_fp4 alone (sm_90a): gate and up of 564 pairs of three experts against the float64
+    sums of the same products (the act-quantised activations and the dequantised FP4 weights).
+    Expert 0 has 300 pairs (tiles of 128, 128 and 44: the m64n64 steps), expert 3 64, expert 5 200
+    (128 and 72: a partial m64n128 tile); the other experts none. The four k-steps of a chunk are
+    summed in the tensor cores with each step's codes scaled exactly to the chunk's base (offsets
+    up to 12 octaves here); wgmma keeps about 12 bits of a 32-product step's sum of |products| and
+    of the chunk's running sum, so every element is within 1e-3 of its sum of |products|; a
+    misplaced column, row, k order, offset or scale is off by about the whole sum."""
+    from dsuf.gpu.moe import Moe, chunk_exponents_fit, prefill_images, prefill_tiles
+    from dsuf.gpu.runtime import device_arch
+
+    if device_arch(cuda) != "sm_90a":
+        pytest.skip("wgmma is sm_90a's")
+    mats = [spread_fp4_weight(EXPERTS, INTER, D, cuda) for _ in range(2)]
+    assert all(chunk_exponents_fit(w, s) for w, s in mats)
+    runs = {0: 300, 3: 64, 5: 200}
+    bounds = [0]
+    for e in range(EXPERTS):
+        bounds.append(bounds[-1] + runs.get(e, 0))
+    pairs = bounds[-1]
+    x = random_activations(pairs, D, cuda)
+    xq, sx = act_quant(x)
+    gate_up = torch.full((pairs, 2 * INTER), float("nan"), dtype=torch.float32, device=cuda)
+    tiles = prefill_tiles(bounds, cuda)
+    Moe.prefill_gemm(tuple((permute_fp4(w), s) for w, s in mats), prefill_images(xq, sx, None, tiles), tiles, gate_up)
+    xd = (xq.double().view(pairs, D // 128, 128) * sx.double().unsqueeze(-1)).view(pairs, D)
+    worst = 0.0
+    for e, n in runs.items():
+        rows = slice(bounds[e], bounds[e] + n)
+        w = torch.cat([quant.dequant_fp4_weight(w[e], s[e].view(torch.float8_e8m0fnu)) for w, s in mats]).double()
+        exact, mag = xd[rows] @ w.t(), xd[rows].abs() @ w.abs().t()
+        worst = max(worst, float(((gate_up[rows].double() - exact).abs() / mag.clamp_min(1e-30)).max()))
+    print(f"\n  moe_prefill_fp4, gate and up of {pairs} pairs: worst error {worst:.2e} of the sum of |products|")
+    assert worst < 1e-3
+
+
+def test_chunks_fit_the_prefill_gemm_unless_a_nonzero_block_is_far_below():
+    """chunk_exponents_fit (CPU): a 128-element chunk whose four block scales lie within 12 octaves
+    fits; a block 13 octaves below the largest fits only while its codes are all zero (-0 included),
+    since moe_prefill_fp4 would scale it by its chunk's base. Fp4Experts records the answer."""
+    from dsuf.gpu.moe import chunk_exponents_fit
+
+    codes = torch.randint(0, 256, (2, 4, 128), dtype=torch.uint8)
+    scales = torch.full((2, 4, 8), 127, dtype=torch.uint8)
+    scales[1, 2, 4:8] = torch.tensor([127, 115, 120, 122], dtype=torch.uint8)  # 12 octaves
+    assert chunk_exponents_fit(codes.view(torch.int8), scales)
+    scales[1, 2, 5] = 114  # 13 octaves below: its codes (bytes 80..95 of the row) are random
+    assert not chunk_exponents_fit(codes.view(torch.int8), scales)
+    codes[1, 2, 80:96] = 0x88  # -0 and -0
+    assert chunk_exponents_fit(codes.view(torch.int8), scales)
+
+
+@pytest.mark.parametrize("wgmma", [True, False], ids=["FP4 by wgmma", "bf16 copy"])
+def test_moe_of_a_prompt_chunk(cuda, monkeypatch, moe_pair, wgmma):
+    """From GROUPED_MIN_TOKENS tokens the routed experts run as one GEMM a matrix over all pairs:
+    on sm_90a moe_prefill_fp4 (the FP4 weights as the decode kernels convert them, wgmma sums of
+    about 12 bits a 128-element chunk, gate and up in float32), else grouped bf16 GEMMs over their
+    bf16 copy (torch._grouped_mm: gate and up rounded to bf16, which the reference keeps in
+    float32). The relative error stays near the decode kernels'; single elements move further,
+    because a small change of h can move its FP8 rounding for w2 by a whole e4m3 step (2**-3
+    relative, 32 bf16 ulps). A misplaced pair or expert would give an error near 1. Each expert
+    here has hundreds of pairs: several tiles of 128, the last one partial."""
+    from dsuf.gpu import moe as gpu_moe
+    from dsuf.gpu.moe import GROUPED_MIN_TOKENS
+    from dsuf.gpu.runtime import device_arch
+
+    if wgmma and device_arch(cuda) != "sm_90a":
+        pytest.skip("wgmma is sm_90a's")
+    monkeypatch.setattr(gpu_moe, "PREFILL_WGMMA", wgmma)
     kernel, moe = moe_pair
+    assert kernel.routed.chunks_fit  # (else the bf16 path runs either way)
     tokens = GROUPED_MIN_TOKENS + 24
     x = random_activations(tokens, D, cuda)
     weights, idx = moe.route(x, None)
@@ -199,3 +277,4 @@ def test_moe_of_a_prompt_chunk(cuda, moe_pair):
     kernel(x, weights, idx, out=out)
     rel, worst = compare(f"MoE of a prompt chunk, {tokens} tokens x ({TOPK} routed + shared)", out, reference_moe(moe, x, weights, idx))
     assert rel < 6e-3 and worst <= 128.0
+    assert torch.equal(kernel(x, weights, idx), out), "not deterministic"

@@ -1,0 +1,215 @@
+// A prompt chunk's routed experts straight from their FP4 weights (sm_90a): for the pairs sorted
+// by expert, out[p, mat * N + n] = sum_k xq[x_row[p], k] sx[x_row[p], k/128] * W_mat[e_p][n, k]
+// sw(n, k). The e2m1 codes become e4m3 in registers as in the decode kernels (gemm.cu), each
+// 32-element block's codes further scaled exactly by a power of two relative to its 128-element
+// chunk (PfRowScale), so that a chunk's four k-steps sum in the tensor cores (wgmma: about 12
+// bits of the sum of |products|, as DeepSeek's FP8 GEMMs, which also promote every 128) and the
+// chunk is promoted to fp32 once, with its rows' base scales and its pairs' activation scales.
+// No bf16 copy of the experts is made.
+//
+// Two kernels. moe_prefill_images writes each tile's activations (up to 128 pairs of one expert,
+// the host lists the tiles) chunk by chunk as the images wgmma reads as B, so that the GEMM loads
+// a chunk's B with one bulk copy. moe_prefill_fp4: grid.x = (mat, 128-row block of N), grid.y =
+// tile; two warpgroups take 64 rows each, m64n128k32 steps (m64n64k32 for a tile of at most 64
+// pairs). A warpgroup converts a chunk's A, runs its four steps back to back and promotes; ptxas
+// would serialise wgmmas whose A registers other instructions write while they run, so the
+// other warpgroup is what overlaps. A ring of PF_SLOTS slots holds chunks (the B image by a bulk
+// copy, the 128 rows' FP4 weights by a TMA box, PF_SLOTS - 1 chunks ahead), so that no thread
+// waits for global memory once the ring is full; the weight scales of the CTA's rows are copied
+// whole at the start.
+//
+// B image of a chunk (PF_IMAGE_BYTES): k-step s (of 4) at s * PF_STEP_BYTES; in it, for column group cg
+// (8 pairs) and k half h, a core matrix of 8 pairs x 16 bytes at cg * 256 + h * 128 (descriptor LBO
+// 128 for k, SBO 256 for columns). Within a k-step the k order is gemm.cu's: logical k 4t + b holds
+// element 8t + 2b, 16 + 4t + b element 8t + 2b + 1 (half 0 the even elements, half 1 the odd),
+// matching the even and odd codes of the weight words. Then the 128 pairs' activation scales
+// (float, times 64: undoing the e4m3 weight bytes' 2**-6), 0 past the tile's pairs.
+#include "fp4.cuh"
+
+#define PF_COLS 128                                // pairs a tile: wgmma's N
+#define PF_STEP_BYTES (PF_COLS * 32)               // one k-step's B
+#define PF_IMAGE_BYTES (4 * PF_STEP_BYTES + PF_COLS * 4)
+#define PF_ROWS 128                                // weight rows a CTA
+#define PF_A_BYTES (PF_ROWS * 64)                  // their FP4 codes of one chunk
+#define PF_SLOT_BYTES (PF_IMAGE_BYTES + PF_A_BYTES)
+#define PF_SLOTS 6
+#define PF_THREADS 256
+
+struct PrefillParams {
+  TensorMap w[2];      // FP4 experts [E * N rows, K/2 bytes], kernel layout, boxes of 64 bytes x PF_ROWS
+  TensorMap ws[2];     // their E8M0 scales [E * N rows, K/32 bytes], boxes of K/32 x PF_ROWS; mat 1 (if any) writes columns N..2N-1
+  const u8* images;    // [tiles, K/128, PF_IMAGE_BYTES] (moe_prefill_images)
+  const int* tiles;    // [tiles, 3]: expert, first pair, pairs (1..PF_COLS)
+  void* out;           // [P, out_cols], float32 if out_f32 else bf16
+  int N, K, out_cols, out_f32;
+};
+
+// grid (K/128, tiles), 4 * PF_COLS threads: thread (pair c, k-step s) writes its 32 bytes of the image.
+extern "C" __global__ void __launch_bounds__(4 * PF_COLS) moe_prefill_images(const u8* xq, const float* sx, const int* x_row,
+                                                                             const int* tiles, u8* images, int K) {
+  pdl_begin();
+  const int kc = blockIdx.x, KC = gridDim.x, pair0 = tiles[3 * blockIdx.y + 1], cols = tiles[3 * blockIdx.y + 2];
+  const int c = threadIdx.x >> 2, s = threadIdx.x & 3;
+  const int row = c >= cols ? -1 : x_row ? x_row[pair0 + c] : pair0 + c;
+  uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+  if (row >= 0) {
+    const u8* src = xq + (i64)row * K + kc * 128 + 32 * s;
+    lo = ld_nc16(src), hi = ld_nc16(src + 16);
+  }
+  u8* image = images + ((i64)blockIdx.y * KC + kc) * PF_IMAGE_BYTES;
+  u8* at = image + s * PF_STEP_BYTES + (c >> 3) * 256 + (c & 7) * 16;
+  *reinterpret_cast<uint4*>(at) = make_uint4(__byte_perm(lo.x, lo.y, 0x6420), __byte_perm(lo.z, lo.w, 0x6420),
+                                             __byte_perm(hi.x, hi.y, 0x6420), __byte_perm(hi.z, hi.w, 0x6420));
+  *reinterpret_cast<uint4*>(at + 128) = make_uint4(__byte_perm(lo.x, lo.y, 0x7531), __byte_perm(lo.z, lo.w, 0x7531),
+                                                   __byte_perm(hi.x, hi.y, 0x7531), __byte_perm(hi.z, hi.w, 0x7531));
+  if (s == 0) reinterpret_cast<float*>(image + 4 * PF_STEP_BYTES)[c] = row >= 0 ? 64.0f * sx[(i64)row * (K >> 7) + kc] : 0.0f;
+}
+
+// The ring: chunk c's slot is full once its image and weight rows have landed, empty once every
+// warp is done with it.
+struct PfRing {
+  u8* smem;
+  u64* full;
+  u64* empty;
+  const u8* images;    // the tile's
+  const TensorMap* w;  // the matrix's
+  int row;             // the CTA's first weight row
+
+  // Chunk c into its slot (one thread).
+  DSUF_DEVICE void post(int c) const {
+    const int slot = c % PF_SLOTS;
+    u8* s = smem + slot * PF_SLOT_BYTES;
+    mbar_expect_bytes(&full[slot], PF_SLOT_BYTES);
+    bulk_copy(s, images + (i64)c * PF_IMAGE_BYTES, PF_IMAGE_BYTES, &full[slot]);
+    tma_copy_2d(s + PF_IMAGE_BYTES, w, 64 * c, row, &full[slot]);
+  }
+};
+
+// A lane's row of one chunk: its four k-steps' E8M0 scales e_i (bytes of s) relative to the
+// chunk's base exponent m = max(min e, max e - 12): step i's e4m3 codes are scaled by 2**o_i,
+// o_i = e_i - m in 0..12 (exact), so that the four steps sum in the tensor cores and the chunk is
+// promoted once with 2**m. A step more than 12 below the row's largest has only zero codes
+// (Fp4Experts checks that at load, else the experts take the bf16 path): its o_i (clamped at 0)
+// does not matter.
+struct PfRowScale {
+  int o[4], sub[4];  // o_i, and 2 o_i - 1 if o_i > 0 else 0 (e4m3_times_pow2)
+  float base;        // 2**(m - 127)
+
+  DSUF_DEVICE explicit PfRowScale(u32 s) {
+    const int e0 = s & 0xff, e1 = (s >> 8) & 0xff, e2 = (s >> 16) & 0xff, e3 = s >> 24;
+    const int m = max(min(min(e0, e1), min(e2, e3)), max(max(e0, e1), max(e2, e3)) - 12);
+    o[0] = max(e0 - m, 0), o[1] = max(e1 - m, 0), o[2] = max(e2 - m, 0), o[3] = max(e3 - m, 0);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sub[i] = max(2 * o[i] - 1, 0);
+    base = __int_as_float(max(m << 23, 0x00400000));  // e8m0_to_f32 (code 0: 2**-127)
+  }
+};
+
+// k-step I's A (rows g and g + 8 of the lane's weight words) as e4m3 scaled by its rows' 2**o.
+template <int I>
+DSUF_DEVICE void pf_convert(u32 (&a)[4], const uint4& w0, const uint4& w1, const PfRowScale& r0, const PfRowScale& r1) {
+  a[0] = e4m3_times_pow2(fp4_even_e4m3(word(w0, I)), r0.o[I], r0.sub[I]), a[1] = e4m3_times_pow2(fp4_even_e4m3(word(w1, I)), r1.o[I], r1.sub[I]);
+  a[2] = e4m3_times_pow2(fp4_odd_e4m3(word(w0, I)), r0.o[I], r0.sub[I]), a[3] = e4m3_times_pow2(fp4_odd_e4m3(word(w1, I)), r1.o[I], r1.sub[I]);
+}
+
+template <bool ACC, int NP>
+DSUF_DEVICE void pf_issue(float (&d)[NP / 2], const u32 (&a)[4], u64 desc) {
+  if constexpr (NP == 128) {
+    wgmma_e4m3_n128_issue<ACC>(d, a[0], a[1], a[2], a[3], desc);
+  } else {
+    wgmma_e4m3_n64_issue<ACC>(d, a[0], a[1], a[2], a[3], desc);
+  }
+}
+
+// The tile's GEMM over its NP (64 or 128) first columns; acc[4j + q]: row r0 (q < 2) or r0 + 8,
+// pair column 8j + 2t + (q & 1).
+template <int NP>
+DSUF_DEVICE void pf_tile(const PrefillParams& p, const PfRing& ring, const u8* wscale, int r0, int n0, int pair0, int cols) {
+  const int KC = p.K >> 7, SB = p.K >> 5, t = threadIdx.x & 3;
+  constexpr u64 STEP = PF_STEP_BYTES >> 4;  // the descriptor's address counts 16 bytes
+  float acc[NP / 2], d[NP / 2];
+#pragma unroll
+  for (int j = 0; j < NP / 2; ++j) acc[j] = 0.0f, d[j] = 0.0f;
+  // No CTA-wide barrier in the loop: a warpgroup waiting for its wgmmas lets the other run. Thread
+  // 0 refills the slot of chunk c - 1 once all warps are done with it, PF_SLOTS - 1 chunks ahead.
+  for (int c = 0; c < KC; ++c) {
+    if (threadIdx.x == 0 && c + PF_SLOTS - 1 < KC) {
+      if (c > 0) mbar_wait(&ring.empty[(c - 1) % PF_SLOTS], ((c - 1) / PF_SLOTS) & 1);
+      ring.post(c + PF_SLOTS - 1);
+    }
+    const u8* slot = ring.smem + (c % PF_SLOTS) * PF_SLOT_BYTES;
+    mbar_wait(&ring.full[c % PF_SLOTS], (c / PF_SLOTS) & 1);
+    const uint4 w0 = *reinterpret_cast<const uint4*>(slot + PF_IMAGE_BYTES + r0 * 64 + 16 * t);
+    const uint4 w1 = *reinterpret_cast<const uint4*>(slot + PF_IMAGE_BYTES + (r0 + 8) * 64 + 16 * t);
+    const PfRowScale sc0(*reinterpret_cast<const u32*>(wscale + r0 * SB + 4 * c)), sc1(*reinterpret_cast<const u32*>(wscale + (r0 + 8) * SB + 4 * c));
+    // All four steps' A first: ptxas runs the wgmmas back to back only if no other instruction
+    // writes their registers between the first and the wait.
+    u32 a0[4], a1[4], a2[4], a3[4];
+    pf_convert<0>(a0, w0, w1, sc0, sc1), pf_convert<1>(a1, w0, w1, sc0, sc1);
+    pf_convert<2>(a2, w0, w1, sc0, sc1), pf_convert<3>(a3, w0, w1, sc0, sc1);
+    const u64 desc = wgmma_desc(slot, 128, 256);
+    wgmma_fence();
+    pf_issue<false, NP>(d, a0, desc);
+    pf_issue<true, NP>(d, a1, desc + STEP);
+    pf_issue<true, NP>(d, a2, desc + 2 * STEP);
+    pf_issue<true, NP>(d, a3, desc + 3 * STEP);
+    wgmma_commit();
+    wgmma_wait_for<0>();
+    pin(d);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pin(a0[i]), pin(a1[i]), pin(a2[i]), pin(a3[i]);
+    const float* xsc = reinterpret_cast<const float*>(slot + 4 * PF_STEP_BYTES);  // the chunk's activation scales
+#pragma unroll
+    for (int j = 0; j < NP / 8; ++j) {
+      const float2 sc = *reinterpret_cast<const float2*>(xsc + 8 * j + 2 * t);
+      acc[4 * j] = fmaf(d[4 * j], sc0.base * sc.x, acc[4 * j]);
+      acc[4 * j + 1] = fmaf(d[4 * j + 1], sc0.base * sc.y, acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(d[4 * j + 2], sc1.base * sc.x, acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(d[4 * j + 3], sc1.base * sc.y, acc[4 * j + 3]);
+    }
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(&ring.empty[c % PF_SLOTS]);
+  }
+#pragma unroll
+  for (int j = 0; j < NP / 8; ++j)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int c = 8 * j + 2 * t + (q & 1), n = n0 + 8 * (q >> 1);
+      if (c >= cols) continue;
+      const i64 at = (i64)(pair0 + c) * p.out_cols + n;
+      if (p.out_f32) {
+        static_cast<float*>(p.out)[at] = acc[4 * j + q];
+      } else {
+        static_cast<u16*>(p.out)[at] = f32_to_bf16(acc[4 * j + q]);
+      }
+    }
+}
+
+// Dynamic shared memory: PF_SLOTS slots, then the CTA's rows' weight scales [PF_ROWS][K/32].
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) moe_prefill_fp4(const __grid_constant__ PrefillParams p) {
+  extern __shared__ __align__(128) u8 smem[];
+  __shared__ __align__(8) u64 bars[2 * PF_SLOTS + 1];
+  const int N = p.N, K = p.K, KC = K >> 7, SB = K >> 5;
+  const int blocks = N >> 7, mat = blockIdx.x / blocks, rb = blockIdx.x % blocks;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+  const int r0 = 64 * (warp >> 2) + 16 * (warp & 3) + g;  // this lane's rows r0 and r0 + 8 of the CTA's
+  u8* wscale = smem + PF_SLOTS * PF_SLOT_BYTES;
+  u64* scales = bars + 2 * PF_SLOTS;
+  if (threadIdx.x == 0) mbar_init(bars, PF_SLOTS), mbar_init(bars + PF_SLOTS, PF_SLOTS, PF_THREADS / 32), mbar_init(scales);
+  __syncthreads();
+  pdl_begin();  // (the tiles and images are made just before)
+  const int expert = p.tiles[3 * blockIdx.y], pair0 = p.tiles[3 * blockIdx.y + 1], cols = p.tiles[3 * blockIdx.y + 2];
+  const PfRing ring{smem, bars, bars + PF_SLOTS, p.images + (i64)blockIdx.y * KC * PF_IMAGE_BYTES, &p.w[mat], expert * N + rb * PF_ROWS};
+  if (threadIdx.x == 0) {
+    mbar_expect_bytes(scales, PF_ROWS * SB);
+    tma_copy_2d(wscale, &p.ws[mat], 0, ring.row, scales);
+    for (int c = 0; c < PF_SLOTS - 1 && c < KC; ++c) ring.post(c);
+  }
+  mbar_wait(scales, 0);
+  const int n0 = mat * N + rb * PF_ROWS + r0;
+  if (cols > 64) {
+    pf_tile<128>(p, ring, wscale, r0, n0, pair0, cols);
+  } else {
+    pf_tile<64>(p, ring, wscale, r0, n0, pair0, cols);
+  }
+}
