@@ -232,7 +232,9 @@ def test_corrupted_bytes_and_a_stale_epoch_are_refused(fleet, reference, tmp_pat
 
 
 def test_two_servers_fetching_the_same_turn_at_once_leave_exactly_one_owner(fleet, reference):
-    a, b, c = fleet.start("A"), fleet.start("B"), fleet.start("C")
+    # Both fetches must finish: a stall past the usual 3 s on a loaded machine would recompute.
+    patient = ["--kv-fetch-timeout", "15"]
+    a, b, c = fleet.start("A"), fleet.start("B", extra=patient), fleet.start("C", extra=patient)
     ready(a, b, c)
     turn1_on(a)
     key_tokens = closing_tokens()
