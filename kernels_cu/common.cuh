@@ -340,12 +340,21 @@ DSUF_DEVICE void wgmma_e4m3(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc
 #endif
 }
 
-DSUF_DEVICE void wgmma_wait() {
+DSUF_DEVICE void wgmma_commit() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #endif
 }
+
+// Until at most N committed groups of this warpgroup are still running.
+template <int N>
+DSUF_DEVICE void wgmma_wait_for() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+
+DSUF_DEVICE void wgmma_wait() { wgmma_commit(), wgmma_wait_for<0>(); }
 
 template <int N>
 DSUF_DEVICE void pin(float (&d)[N]) {
@@ -391,20 +400,6 @@ DSUF_DEVICE void wgmma_e4m3_n128_issue(float (&d)[64], u32 a0, u32 a1, u32 a2, u
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "n"(ACC ? 1 : 0));
 #else
   __trap();  // the host picks the wgmma kernels on sm_90a only
-#endif
-}
-
-DSUF_DEVICE void wgmma_commit() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-#endif
-}
-
-// Until at most N committed groups of this warpgroup are still running.
-template <int N>
-DSUF_DEVICE void wgmma_wait_for() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 #endif
 }
 
