@@ -1,11 +1,12 @@
 """The MoE layer on the GPU: routed FP4 experts plus the FP8 shared expert, computed as `layers.MoE`
 computes them in reference numerics (routing is the router's).
 
-Decode-sized batches (below GROUPED_MIN_TOKENS tokens) run in the kernels described here; prompt
-chunks (`Moe._grouped`) run the routed experts as one GEMM a matrix over all pairs, straight from
-the FP4 weights on sm_90a (kernels_cu/moe_prefill.cu, when every 128-element chunk's block scales
-fit: Fp4Experts.chunks_fit), else as grouped bf16 GEMMs over a bf16 copy of them made once a
-chunk; and the shared expert as FP8 block-scaled GEMMs (`Fp8Expert.prefill`; dense.py).
+Decode-sized batches (below PREFILL_MIN_TOKENS tokens where the FP4 prefill GEMM runs, else below
+GROUPED_MIN_TOKENS) run in the kernels described here; prompt chunks (`Moe._grouped`) run the
+routed experts as one GEMM a matrix over all pairs, straight from the FP4 weights on sm_90a
+(kernels_cu/moe_prefill.cu, when every 128-element chunk's block scales fit:
+Fp4Experts.chunks_fit), else as grouped bf16 GEMMs over a bf16 copy of them made once a chunk;
+and the shared expert as FP8 block-scaled GEMMs (`Fp8Expert.prefill`; dense.py).
 
 For T tokens with top-k experts there are P = T*k (token, expert) pairs. Pairs are sorted by
 expert, and each expert's weights are streamed once for all of its tokens (up to 8 a pass), so a
@@ -46,6 +47,7 @@ PREFILL_IMAGE_BYTES = 4 * 32 * PREFILL_COLS + 4 * PREFILL_COLS  # a tile's activ
 PREFILL_SLOTS_BYTES = 6 * (PREFILL_IMAGE_BYTES + 128 * 64)  # its ring: PF_SLOTS chunks of B and of 128 weight rows
 PREFILL_OCTAVES = 12  # moe_prefill_fp4 scales a chunk's four k-steps' e4m3 codes by up to 2**12 (PfRowScale)
 GROUPED_MIN_TOKENS = 1024  # from here the experts' bf16 copy (read once) beats the FP4 kernels' passes of 8 tokens an expert
+PREFILL_MIN_TOKENS = 768  # and from here moe_prefill_fp4 does (20 layers, one H200: 512-token prompts -11 %, 768 +16 %)
 EXPERT_COPY_BYTES = 2 << 30  # the bf16 copy is made this many bytes of experts at a time
 
 
@@ -209,7 +211,8 @@ class Moe:
         t, k = idx.shape
         if not 1 <= k <= 16 or self.routed.dim % 2048:
             raise ValueError(f"Moe: top-k must be 1..16 and D a multiple of 2048, got k={k}, D={self.routed.dim}")
-        if t >= GROUPED_MIN_TOKENS and not torch.cuda.is_current_stream_capturing():  # (it syncs with the host once)
+        grouped = PREFILL_MIN_TOKENS if self._prefill_fp4(x.device) else GROUPED_MIN_TOKENS
+        if t >= grouped and not torch.cuda.is_current_stream_capturing():  # (it syncs with the host once)
             y_sorted, row_of, y_shared = self._grouped(x, weights, idx, xq)
             return self._combine(y_sorted, y_shared, idx, out, row_of)
         xq, sx = xq if xq is not None else act_quant(x)
@@ -261,12 +264,16 @@ class Moe:
         ends = torch.bincount(expert, minlength=self.routed.w1.shape[0]).cumsum(0)
         bounds = [0] + ends.tolist()  # one host sync: each expert's rows among the sorted pairs
         route_w = weights.reshape(-1).float().index_select(0, order)
-        if PREFILL_WGMMA and self.routed.chunks_fit and device_arch(x.device) == "sm_90a" and self.routed.inter % 512 == 0:
+        if self._prefill_fp4(x.device):
             y_sorted = self._routed_prefill(xq, sx, (order // k).int(), bounds, route_w)
         else:
             y_sorted = self._routed_bf16(x, order // k, bounds, ends, route_w)
         row_of = torch.empty_like(order, dtype=torch.int32).index_copy_(0, order, torch.arange(t * k, dtype=torch.int32, device=x.device))
         return y_sorted, row_of, self.shared.prefill(xq, sx, self.limit)
+
+    def _prefill_fp4(self, device: torch.device) -> bool:
+        """Whether a prompt chunk's routed experts run in moe_prefill_fp4 (else over their bf16 copy)."""
+        return PREFILL_WGMMA and self.routed.chunks_fit and device_arch(device) == "sm_90a" and self.routed.inter % 512 == 0
 
     def _routed_prefill(self, xq: torch.Tensor, sx: torch.Tensor, x_row: torch.Tensor, bounds: list[int], route_w: torch.Tensor) -> torch.Tensor:
         """The sorted pairs' routed outputs bf16 [P, D] by moe_prefill_fp4: gate and up in float32

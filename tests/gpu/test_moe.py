@@ -253,16 +253,17 @@ def test_chunks_fit_the_prefill_gemm_unless_a_nonzero_block_is_far_below():
 
 @pytest.mark.parametrize("wgmma", [True, False], ids=["FP4 by wgmma", "bf16 copy"])
 def test_moe_of_a_prompt_chunk(cuda, monkeypatch, moe_pair, wgmma):
-    """From GROUPED_MIN_TOKENS tokens the routed experts run as one GEMM a matrix over all pairs:
-    on sm_90a moe_prefill_fp4 (the FP4 weights as the decode kernels convert them, wgmma sums of
-    about 12 bits a 128-element chunk, gate and up in float32), else grouped bf16 GEMMs over their
-    bf16 copy (torch._grouped_mm: gate and up rounded to bf16, which the reference keeps in
-    float32). The relative error stays near the decode kernels'; single elements move further,
-    because a small change of h can move its FP8 rounding for w2 by a whole e4m3 step (2**-3
-    relative, 32 bf16 ulps). A misplaced pair or expert would give an error near 1. Each expert
-    here has hundreds of pairs: several tiles of 128, the last one partial."""
+    """From PREFILL_MIN_TOKENS tokens (on sm_90a; else GROUPED_MIN_TOKENS) the routed experts run as
+    one GEMM a matrix over all pairs: on sm_90a moe_prefill_fp4 (the FP4 weights as the decode
+    kernels convert them, wgmma sums of about 12 bits a 128-element chunk, gate and up in
+    float32), else grouped bf16 GEMMs over their bf16 copy (torch._grouped_mm: gate and up rounded
+    to bf16, which the reference keeps in float32). The relative error stays near the decode
+    kernels'; single elements move further, because a small change of h can move its FP8 rounding
+    for w2 by a whole e4m3 step (2**-3 relative, 32 bf16 ulps). A misplaced pair or expert would
+    give an error near 1. Each expert here has hundreds of pairs: several tiles of 128, the last
+    one partial."""
     from dsuf.gpu import moe as gpu_moe
-    from dsuf.gpu.moe import GROUPED_MIN_TOKENS
+    from dsuf.gpu.moe import GROUPED_MIN_TOKENS, PREFILL_MIN_TOKENS
     from dsuf.gpu.runtime import device_arch
 
     if wgmma and device_arch(cuda) != "sm_90a":
@@ -270,7 +271,7 @@ def test_moe_of_a_prompt_chunk(cuda, monkeypatch, moe_pair, wgmma):
     monkeypatch.setattr(gpu_moe, "PREFILL_WGMMA", wgmma)
     kernel, moe = moe_pair
     assert kernel.routed.chunks_fit  # (else the bf16 path runs either way)
-    tokens = GROUPED_MIN_TOKENS + 24
+    tokens = (PREFILL_MIN_TOKENS if wgmma else GROUPED_MIN_TOKENS) + 24
     x = random_activations(tokens, D, cuda)
     weights, idx = moe.route(x, None)
     out = torch.full((tokens, D), float("nan"), dtype=torch.bfloat16, device=cuda)
