@@ -95,7 +95,7 @@ class Fp4Experts:
     s3: torch.Tensor
     w2: torch.Tensor
     s2: torch.Tensor
-    chunks_fit: bool = True
+    chunks_fit: bool
 
     @staticmethod
     def from_checkpoint(w1, s1, w3, s3, w2, s2) -> "Fp4Experts":
