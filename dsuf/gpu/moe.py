@@ -195,6 +195,8 @@ class Moe:
         rows = max(shared.w1.shape[0], shared.w2.shape[0])
         self.shared_counter = torch.zeros(rows // CTA_ROWS, dtype=torch.int32, device=device)
         self.side: torch.cuda.Stream | None = None
+        # Whether moe_prefill_fp4 can take these experts (decided once; PREFILL_WGMMA at each call).
+        self.fp4_prefill = routed.chunks_fit and device.type == "cuda" and device_arch(device) == "sm_90a" and routed.inter % 512 == 0
 
     def reserve(self, pairs: int) -> None:
         """Size the routed launches' arrival counters for up to `pairs` (token, expert) pairs now:
@@ -211,7 +213,7 @@ class Moe:
         t, k = idx.shape
         if not 1 <= k <= 16 or self.routed.dim % 2048:
             raise ValueError(f"Moe: top-k must be 1..16 and D a multiple of 2048, got k={k}, D={self.routed.dim}")
-        grouped = PREFILL_MIN_TOKENS if self._prefill_fp4(x.device) else GROUPED_MIN_TOKENS
+        grouped = PREFILL_MIN_TOKENS if self._prefill_fp4() else GROUPED_MIN_TOKENS
         if t >= grouped and not torch.cuda.is_current_stream_capturing():  # (it syncs with the host once)
             y_sorted, row_of, y_shared = self._grouped(x, weights, idx, xq)
             return self._combine(y_sorted, y_shared, idx, out, row_of)
@@ -264,16 +266,16 @@ class Moe:
         ends = torch.bincount(expert, minlength=self.routed.w1.shape[0]).cumsum(0)
         bounds = [0] + ends.tolist()  # one host sync: each expert's rows among the sorted pairs
         route_w = weights.reshape(-1).float().index_select(0, order)
-        if self._prefill_fp4(x.device):
+        if self._prefill_fp4():
             y_sorted = self._routed_prefill(xq, sx, (order // k).int(), bounds, route_w)
         else:
             y_sorted = self._routed_bf16(x, order // k, bounds, ends, route_w)
         row_of = torch.empty_like(order, dtype=torch.int32).index_copy_(0, order, torch.arange(t * k, dtype=torch.int32, device=x.device))
         return y_sorted, row_of, self.shared.prefill(xq, sx, self.limit)
 
-    def _prefill_fp4(self, device: torch.device) -> bool:
+    def _prefill_fp4(self) -> bool:
         """Whether a prompt chunk's routed experts run in moe_prefill_fp4 (else over their bf16 copy)."""
-        return PREFILL_WGMMA and self.routed.chunks_fit and device_arch(device) == "sm_90a" and self.routed.inter % 512 == 0
+        return PREFILL_WGMMA and self.fp4_prefill
 
     def _routed_prefill(self, xq: torch.Tensor, sx: torch.Tensor, x_row: torch.Tensor, bounds: list[int], route_w: torch.Tensor) -> torch.Tensor:
         """The sorted pairs' routed outputs bf16 [P, D] by moe_prefill_fp4: gate and up in float32

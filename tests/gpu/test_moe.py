@@ -271,6 +271,9 @@ def test_moe_of_a_prompt_chunk(cuda, monkeypatch, moe_pair, wgmma):
     monkeypatch.setattr(gpu_moe, "PREFILL_WGMMA", wgmma)
     kernel, moe = moe_pair
     assert kernel.routed.chunks_fit  # (else the bf16 path runs either way)
+    fp4_chunks = []
+    routed_prefill = gpu_moe.Moe._routed_prefill
+    monkeypatch.setattr(gpu_moe.Moe, "_routed_prefill", lambda self, *a: fp4_chunks.append(1) or routed_prefill(self, *a))
     tokens = (PREFILL_MIN_TOKENS if wgmma else GROUPED_MIN_TOKENS) + 24
     x = random_activations(tokens, D, cuda)
     weights, idx = moe.route(x, None)
@@ -278,4 +281,5 @@ def test_moe_of_a_prompt_chunk(cuda, monkeypatch, moe_pair, wgmma):
     kernel(x, weights, idx, out=out)
     rel, worst = compare(f"MoE of a prompt chunk, {tokens} tokens x ({TOPK} routed + shared)", out, reference_moe(moe, x, weights, idx))
     assert rel < 6e-3 and worst <= 128.0
+    assert len(fp4_chunks) == int(wgmma), "the chunk took the wrong path"
     assert torch.equal(kernel(x, weights, idx), out), "not deterministic"
