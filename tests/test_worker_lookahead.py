@@ -94,7 +94,7 @@ def test_a_released_sequence_drops_its_token_fed_ahead(model) -> None:
     worker = Worker(model, NUM, "rev", lookahead=True)
     params = SamplingParams(temperature=0.0)
     done = worker.run_step(Step(1, [SeqWork(1, list(range(3, 12)), sample=True, params=params)]))
-    assert 1 in worker.ahead and worker.ahead[1][0] == done.outputs[0].choice.token
+    assert 1 in worker.ahead and worker.ahead[1].token == done.outputs[0].choice.token
     worker.run_step(Step(2, [], release=[1]))
     assert not worker.ahead and not worker.states
 
@@ -124,11 +124,15 @@ def backbone(model, blob: bytes) -> bytes:
     return state.to_bytes()
 
 
+@pytest.mark.parametrize("lookahead", [False, True], ids=["", "looking ahead"])
 @pytest.mark.parametrize("drafts", ["mtp", "always right", "always wrong"])
-def test_speculative_decoding_changes_nothing_the_clients_or_the_caches_see(model, monkeypatch, drafts) -> None:
+def test_speculative_decoding_changes_nothing_the_clients_or_the_caches_see(model, monkeypatch, drafts, lookahead) -> None:
     """With the tiny model's own MTP layer (random weights: drafts mostly rejected) and with
     oracle drafts that know each request's answer (all accepted: two tokens a step, EOS and the
-    length limit reached on a draft) or miss it on purpose (all rejected: the state goes back)."""
+    length limit reached on a draft) or miss it on purpose (all rejected: the state goes back).
+    Looking ahead, the next verify step (the last token and its draft) is fed before the tokens
+    are read; where a request ends on the first of two tokens, its closing feed takes both
+    rows back first."""
     eos = model.config.eos_token_id
     plain, plain_snapshots, _, plain_steps = serve(model)
     seen: dict = {}
@@ -148,10 +152,17 @@ def test_speculative_decoding_changes_nothing_the_clients_or_the_caches_see(mode
             return logits
 
         monkeypatch.setattr(model, "mtp_forward", oracle)
-    spec, spec_snapshots, _, spec_steps = serve(model, seen, speculative=True)
+    taken_back = []  # rows each take_back forgets
+    take_back = model.take_back
+    monkeypatch.setattr(model, "take_back", lambda state, undo: taken_back.append(state.pos - undo.pos) or take_back(state, undo))
+    spec, spec_snapshots, found_ahead, spec_steps = serve(model, seen, speculative=True, lookahead=lookahead)
     assert spec == plain
     assert spec_snapshots.keys() == plain_snapshots.keys() and len(plain_snapshots) == 2
     assert all(backbone(model, spec_snapshots[k]) == backbone(model, plain_snapshots[k]) for k in plain_snapshots)
     if drafts == "always right":
         assert spec_steps < plain_steps  # two tokens a step
-    print(f"\n  {drafts} drafts: {spec_steps} steps (without drafts {plain_steps})")
+        assert (2 in taken_back) == lookahead  # a look-ahead's two rows, after a finish on the first token of two
+    if drafts == "always wrong":
+        assert taken_back.count(1) > 20
+    assert (found_ahead > 15) == lookahead
+    print(f"\n  {drafts} drafts: {spec_steps} steps (without drafts {plain_steps}), {found_ahead} found fed ahead, rows taken back {taken_back}")

@@ -198,25 +198,50 @@ class GpuModel:
     # ---- speculative decoding (dsuf.model.speculative) -------------------------------------------
 
     @torch.inference_mode()
-    def verify_batch(self, batch: list[tuple[torch.Tensor, GpuSequence, int | None]], num: Numerics | None = None) -> list[Verified]:
+    def verify_batch(self, batch: list[tuple[torch.Tensor, GpuSequence, int | torch.Tensor | None]], num: Numerics | None = None,
+                     ahead: bool = False) -> list[Verified]:
         """Each sequence's tokens with its draft (where it has one) as one more row of the same
         step. A draft row leaves behind its window entry and its compressor state row, and where
         it completes a group also that group's entry and the states moved on (kernels_cu/
         compressor.cu). The entries are written again when the position is fed again (no snapshot
-        holds them before); take_back empties the row, or for a CSA group (overlapping: the
+        holds them before); take_back empties the rows, or for a CSA group (overlapping: the
         completed group's rows live on as the previous group's) moves the rows back and puts back
         the previous group's rows, saved before the step (so the step's tokens must not complete
         one: at most 3 before a draft that does). No draft where it would complete an HCA group
-        (whose completion clears the rows of the tokens before it) or the context has no room."""
-        def room(p: int, tokens: int) -> bool:  # for a draft row at position p after `tokens` rows
-            hca = any(ratio != 4 and (p + 1) % ratio == 0 for ratio in self._ratios)
-            return p < self.max_context and not hca and not ((p + 1) % 4 == 0 and tokens > 3)
+        (whose completion clears the rows of the tokens before it) or the context has no room.
 
-        batch = [(tokens, seq, draft if room(seq.pos + len(tokens), len(tokens)) else None) for tokens, seq, draft in batch]
-        undo = [self._draft_undo(seq, seq.pos + len(tokens)) if draft is not None else None for tokens, seq, draft in batch]
+        `ahead` (the worker's look-ahead): one token a sequence, int64 [1] on the device, and the
+        drafts too (sampled and drafted, not read yet): one step queued without waiting for them.
+        Its Verified also holds `retract`, take_back's undo of both rows (None where the token's
+        own row completes an HCA group)."""
+        def room(p: int, tokens: int) -> bool:  # for a draft row at position p after `tokens` rows
+            return p < self.max_context and not self._completes_hca(p) and not ((p + 1) % 4 == 0 and tokens > 3)
+
+        if ahead:
+            return self._verify_ahead([(token, seq, draft if room(seq.pos + 1, 1) else None) for token, seq, draft in batch])
+        batch = [(tokens, seq, int(draft) if draft is not None and room(seq.pos + len(tokens), len(tokens)) else None) for tokens, seq, draft in batch]
+        undo = [(seq.pos + len(tokens), self._saved_states(seq, seq.pos + len(tokens), 1)) if draft is not None else None for tokens, seq, draft in batch]
         fed = self._feed([(torch.cat((tokens.view(-1), torch.tensor([draft] if draft is not None else [], dtype=tokens.dtype))), seq)
                           for tokens, seq, draft in batch], last=[1 + (draft is not None) for _, _, draft in batch], tail=self.config.window_size + 1)
         return [Verified(logits, streams, u) for (logits, streams), u in zip(fed, undo)]
+
+    def _verify_ahead(self, batch: list[tuple[torch.Tensor, GpuSequence, torch.Tensor | int | None]]) -> list[Verified]:
+        self._check_room([(token.view(-1), seq) for token, seq, _ in batch])
+        if not all(token.is_cuda and token.numel() == 1 for token, _, _ in batch) or len(batch) > self.max_batch:
+            raise ValueError(f"a look-ahead feeds one token on the device a sequence (at most {self.max_batch} sequences)")
+        rows, ids, spans = [], [], []
+        for token, seq, draft in batch:
+            n, p = 1 + (draft is not None), seq.pos
+            spans.append((len(rows), n, p, self._saved_states(seq, p, n)))
+            rows += [(seq.slot, p + j, 0) for j in range(n)]
+            ids += [token.view(1)] + ([torch.as_tensor(draft).view(1).to(self.device)] if draft is not None else [])
+            seq.pos += n
+        logits, streams = self.step(rows, ids=torch.cat(ids).to(torch.int64))
+        return [Verified(logits[a : a + n].clone(), streams[a : a + n].clone(), (p + 1, saved) if n == 2 else None,
+                         None if self._completes_hca(p) else (p, saved)) for a, n, p, saved in spans]
+
+    def _completes_hca(self, p: int) -> bool:
+        return any(ratio != 4 and (p + 1) % ratio == 0 for ratio in self._ratios)
 
     def _states(self, slot: int, ratio: int, rows: slice | int = slice(None)) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The compressor states' (kv, score) rows of `slot` in every layer of `ratio` (views, kept:
@@ -228,30 +253,34 @@ class GpuModel:
             self._state_views[key] = ([kv for kv, _ in pairs], [score for _, score in pairs])
         return self._state_views[key]
 
-    def _draft_undo(self, seq: GpuSequence, p: int) -> tuple[int, list[torch.Tensor]]:
-        """What take_back needs for a draft row at position p: p, and where it completes a CSA
-        group, a copy of the CSA states' previous-group rows (one multi-tensor copy)."""
-        if (p + 1) % 4:
-            return p, []
+    def _saved_states(self, seq: GpuSequence, p: int, rows: int) -> list[torch.Tensor]:
+        """What take_back needs besides a position for rows at p … p+rows−1 (at most one of them
+        completing a CSA group): where one does, a copy of the CSA states' previous-group rows
+        (one multi-tensor copy), else nothing."""
+        if all((q + 1) % 4 for q in range(p, p + rows)):
+            return []
         prev = [t for views in self._states(seq.slot, 4, slice(0, 4)) for t in views]
         saved = [torch.empty_like(t) for t in prev]
         torch._foreach_copy_(saved, prev)
-        return p, saved
+        return saved
 
     @torch.inference_mode()
     def take_back(self, seq: GpuSequence, undo: tuple[int, list[torch.Tensor]]) -> GpuSequence:
-        """Forget the draft row verify_batch fed last to seq: its compressor state rows back to
-        empty (kv 0, score -inf), a completed CSA group's rows back from the previous group's."""
+        """Forget the rows fed to seq from position p on (undo: p and the saved states, from
+        verify_batch: a rejected draft's row, or a look-ahead's two), last first: each one's
+        compressor state rows back to empty (kv 0, score -inf), and where one completed a CSA
+        group, that group's rows back from the previous group's, and those from the copy."""
         p, saved = undo
-        if saved:  # rows 4..7 (this group) were moved to 0..3, then emptied
-            prev = [t for views in self._states(seq.slot, 4, slice(0, 4)) for t in views]
-            torch._foreach_copy_([t for views in self._states(seq.slot, 4, slice(4, 8)) for t in views], prev)
-            torch._foreach_copy_(prev, saved)
-        for ratio in self._ratios:
-            kv, score = self._states(seq.slot, ratio, (ratio if ratio == 4 else 0) + p % ratio)
-            torch._foreach_zero_(kv)
-            torch._foreach_copy_(score, [self._neg_inf[t.shape[0]] for t in score])
-        seq.pos -= 1
+        for q in reversed(range(p, seq.pos)):
+            if (q + 1) % 4 == 0:  # rows 4..7 (the group) were moved to 0..3, then emptied
+                prev = [t for views in self._states(seq.slot, 4, slice(0, 4)) for t in views]
+                torch._foreach_copy_([t for views in self._states(seq.slot, 4, slice(4, 8)) for t in views], prev)
+                torch._foreach_copy_(prev, saved)
+            for ratio in self._ratios:
+                kv, score = self._states(seq.slot, ratio, (ratio if ratio == 4 else 0) + q % ratio)
+                torch._foreach_zero_(kv)
+                torch._foreach_copy_(score, [self._neg_inf[t.shape[0]] for t in score])
+        seq.pos = p
         return seq
 
     @torch.inference_mode()
@@ -261,15 +290,17 @@ class GpuModel:
         few rows replay a CUDA graph (the block's launches cost more than its work)."""
         t = streams.shape[0]
         seq.mtp_pos = start + t
-        inputs = torch.tensor([next_tokens.tolist(), [seq.slot] * t, list(range(start, start + t))])  # ids, slots, positions
+        ids = next_tokens.to(self.device, torch.int64)  # chosen on the device (not read yet) where they matter: no wait
         if not self.graphs or t > DRAFT_GRAPH_ROWS:
-            inputs = inputs.to(self.device)
-            return self.draft(streams.to(self.device, torch.bfloat16).contiguous(), *inputs)
+            pos = torch.arange(start, start + t, device=self.device)
+            return self.draft(streams.to(self.device, torch.bfloat16).contiguous(), ids, torch.full_like(pos, seq.slot), pos)
         if t not in self._draft_graphs:
             self._capture_draft(t)
         graph, x, dev_inputs, logits = self._draft_graphs[t]
         x.copy_(streams)
-        dev_inputs.copy_(inputs)
+        dev_inputs[0].copy_(ids)
+        dev_inputs[1].fill_(seq.slot)
+        torch.arange(start, start + t, out=dev_inputs[2])
         graph.replay()
         return logits
 

@@ -224,20 +224,24 @@ class V4Model(ReferenceModel):
         return [logits[rows] for rows, _ in segments_of], x
 
     @torch.inference_mode()
-    def verify_batch(self, batch: list[tuple[torch.Tensor, SequenceState, int | None]], num: Numerics) -> list[Verified]:
+    def verify_batch(self, batch: list[tuple[torch.Tensor, SequenceState, int | torch.Tensor | None]], num: Numerics,
+                     ahead: bool = False) -> list[Verified]:
         """Each sequence's tokens, then its draft where it has one (speculative.py): the drafts in
-        a second forward, after a copy of their states (the undo)."""
+        a second forward, after a copy of their states (the undo); `ahead`: a copy from before the
+        tokens too (the retract)."""
+        retract = [copy.deepcopy(state) if ahead else None for _, state, _ in batch]
         logits, streams = self.forward_batch_streams([(tokens, state) for tokens, state, _ in batch], num)
-        out = [Verified(lg, st) for lg, st in zip(logits, streams)]
+        out = [Verified(lg, st, retract=r) for lg, st, r in zip(logits, streams, retract)]
         drafted = [i for i, (_, _, draft) in enumerate(batch) if draft is not None]
         undo = {i: copy.deepcopy(batch[i][1]) for i in drafted}
-        logits, streams = self.forward_batch_streams([(torch.tensor([batch[i][2]]), batch[i][1]) for i in drafted], num)
+        logits, streams = self.forward_batch_streams([(torch.as_tensor(batch[i][2]).view(1), batch[i][1]) for i in drafted], num)
         for i, lg, st in zip(drafted, logits, streams):
-            out[i] = Verified(torch.cat((out[i].logits, lg)), torch.cat((out[i].streams, st)), undo[i])
+            out[i] = Verified(torch.cat((out[i].logits, lg)), torch.cat((out[i].streams, st)), undo[i], retract[i])
         return out
 
     def take_back(self, state: SequenceState, undo: object) -> SequenceState:
-        """The state to go on with once a verified draft is rejected: the copy from before it."""
+        """The state to go on with once a verified draft is rejected (or a look-ahead retracted):
+        the copy from before it."""
         return undo  # type: ignore[return-value]
 
     @torch.inference_mode()

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -20,11 +21,24 @@ from dsuf.ipc.ring import Channel, Doorbell, Ring
 from dsuf.kvcache.arena import Arena
 from dsuf.kvcache.snapshot import Named, SnapshotError, restore_state, snapshot_state
 from dsuf.model.layers import Numerics
-from dsuf.model.speculative import Drafter, check_speculation
+from dsuf.model.speculative import Drafter, Verified, check_speculation
 from dsuf.model.state import SequenceState
 from dsuf.worker.sampling import Draw, Sampler
 
 log = logging.getLogger("dsuf.worker")
+
+
+@dataclass
+class Ahead:
+    """What the worker fed a sequence ahead, queued behind the step that sampled it: the token
+    (-1 until read) and what came of it, None where that feed failed: the logits after it, or
+    with speculative decoding the verify rows of it and its draft (fed from position `start`)."""
+
+    token: int
+    logits: torch.Tensor | None = None
+    verified: Verified | None = None
+    start: int = 0
+    draft: torch.Tensor | None = None
 
 
 class Worker:
@@ -38,12 +52,15 @@ class Worker:
     a sampled token next (a decode step, or the first token of a closing feed), so that step
     finds the token already fed and its logits ready; a sequence that ends instead is released,
     and its extra token is dropped with it. Every rank samples (the same logits and seeds give the
-    same tokens), so every rank looks ahead alike."""
+    same tokens), so every rank looks ahead alike.
+
+    With `speculative` decoding the look-ahead feeds the last token chosen and its MTP draft as
+    the next verify step. A step may still feed something else: a request that finishes on the
+    first of two tokens (EOS, or its length) feeds its closing tokens instead; then the look-ahead's
+    rows are taken back first."""
 
     def __init__(self, model, num: Numerics, revision: str, arena: Arena | None = None, leader: bool = True, lookahead: bool = False,
                  speculative: bool = False) -> None:
-        if speculative and lookahead:
-            raise ValueError("speculative decoding replaces the look-ahead (each step's tokens are read before the next is fed)")
         if speculative:
             check_speculation(model)
         self.model = model
@@ -51,14 +68,14 @@ class Worker:
         self.lookahead = lookahead
         self.speculative = speculative
         self.drafters: dict[int, Drafter] = {}  # speculative: each sequence's MTP inputs
-        self.drafts: dict[int, int] = {}  # speculative: the draft of the token after each sequence's pending one
+        self.drafts: dict[int, torch.Tensor] = {}  # speculative: the draft of the token after each sequence's pending one
         self.num = num
         self.revision = revision
         self.arena = arena
         self.states: dict[int, SequenceState] = {}
         self.samplers: dict[int, Sampler] = {}
         self.snapshots: dict[str, bytes] = {}  # made, waiting for their SnapshotWrite
-        self.ahead: dict[int, tuple[int, torch.Tensor | None]] = {}  # seq -> (the token fed ahead, the logits after it)
+        self.ahead: dict[int, Ahead] = {}
 
     def run_step(self, step: Step) -> StepDone:
         """Run every sequence of the step in one batched forward, then sample each."""
@@ -81,7 +98,7 @@ class Worker:
                 snapshot_only = work.snapshot is not None and not work.sample
                 if not (work.tokens or snapshot_only) or not all(0 <= t < vocab for t in work.tokens):
                     raise ValueError(f"tokens must be a non-empty list of ids in [0, {vocab}) (empty only for a snapshot)")
-                if work.seq in self.ahead and work.tokens[:1] != [self.ahead[work.seq][0]]:  # the front end feeds the sampled token next
+                if not self.speculative and work.seq in self.ahead and work.tokens[:1] != [self.ahead[work.seq].token]:  # the front end feeds the sampled token next
                     raise RuntimeError(f"sequence {work.seq}: its look-ahead failed, or the step does not feed the sampled token first")
                 runnable.append(work)
             except SnapshotError as exc:  # a bad cached prefix costs a recompute, never the request
@@ -91,7 +108,8 @@ class Worker:
             except Exception as exc:
                 outputs.append(self._fail(work.seq, exc))
         if self.speculative:
-            return StepDone(step.step, outputs + self._speculate(runnable), time.perf_counter() - began, self._snapshots(runnable), written)
+            spoken, made = self._speculate(runnable)
+            return StepDone(step.step, outputs + spoken, time.perf_counter() - began, made, written)
         try:
             logits = self._forward(runnable)
         except Exception as exc:  # states of this batch are no longer trustworthy: end these sequences
@@ -116,48 +134,94 @@ class Worker:
                 outputs.append(self._fail(seq, exc))
                 continue
             outputs.append(SeqOutput(seq, choice=choice if self.leader else None))
-            if seq in self.ahead and self.ahead[seq][1] is not None:
-                self.ahead[seq] = (choice.token, self.ahead[seq][1])
+            if seq in self.ahead and self.ahead[seq].logits is not None:
+                self.ahead[seq].token = choice.token
         return StepDone(step.step, outputs, time.perf_counter() - began, made, written)
 
-    def _speculate(self, runnable: list[SeqWork]) -> list[SeqOutput]:
+    def _speculate(self, runnable: list[SeqWork]) -> tuple[list[SeqOutput], list[SnapshotMade]]:
         """Run the step with MTP drafts (dsuf.model.speculative): every work's tokens, and each
-        decoding sequence's draft after them, in one verify_batch; a sequence whose sampled token
-        is its draft samples one more from the logits after it, the others take the draft's row
-        back. The MTP layer then drafts each sequence's next. Every rank of a tensor-parallel model
-        runs this alike (the same logits and seeds give the same tokens); only the leader reports."""
-        starts = {w.seq: self.states[w.seq].pos for w in runnable}
-        fed = [w for w in runnable if w.tokens]
-        drafts = {w.seq: self.drafts.pop(w.seq) for w in fed if w.sample and w.seq in self.drafts}
-        try:
-            verified = self.model.verify_batch([(torch.tensor(w.tokens), self.states[w.seq], drafts.get(w.seq)) for w in fed], self.num)
-        except Exception as exc:  # states of this batch are no longer trustworthy: end these sequences
-            return [self._fail(w.seq, exc) for w in runnable]
-        after = dict(zip((w.seq for w in fed), verified))
-        outputs: list[SeqOutput] = []
+        decoding sequence's draft after them, in one verify_batch (or found fed ahead); a sequence
+        whose sampled token is its draft samples one more from the logits after it, the others
+        take the draft's row back. The MTP layer then drafts each sequence's next, and with the
+        look-ahead the next verify step is queued before the tokens are read. Every rank of a
+        tensor-parallel model runs this alike (the same logits and seeds give the same tokens);
+        only the leader reports. Returns the outputs and the snapshots (made before any look-ahead)."""
+        verified, outputs = self._verify(runnable)
+        picked: list[tuple[int, list[Draw]]] = []  # each sampling sequence's tokens drawn, in order
         for w in runnable:
-            seq = w.seq
+            if w.seq not in verified:
+                continue
+            seq, (v, tokens, start, draft) = w.seq, verified[w.seq]
             try:
-                chosen, tokens = [], list(w.tokens)
-                v = after.get(seq)
+                draws: list[Draw] = []
                 drafted = v is not None and v.undo is not None  # (a model may feed no draft where there is no room)
                 rows = v.streams[: v.streams.shape[0] - drafted] if v else None
                 if w.sample:
-                    chosen.append(self.samplers[seq].sample(v.logits[0]))
-                    if drafted and chosen[0].token == drafts[seq]:
-                        chosen.append(self.samplers[seq].sample(v.logits[1]))
-                        rows, tokens = v.streams, tokens + [drafts[seq]]
+                    draws.append(self.samplers[seq].draw(v.logits[0]))
+                    if drafted and draws[0].choice().token == int(draft):
+                        draws.append(self.samplers[seq].draw(v.logits[1]))
+                        rows, tokens = v.streams, tokens + [int(draft)]
                     elif drafted:
                         self.states[seq] = self.model.take_back(self.states[seq], v.undo)
                 if rows is not None:
-                    nxt = self.drafters[seq].fed(rows, starts[seq], tokens, self.states[seq], [chosen[-1].token] if chosen else [])
+                    nxt = self.drafters[seq].fed(rows, start, tokens, self.states[seq], [draws[-1].token] if draws else [])
                     if nxt is not None:
                         self.drafts[seq] = nxt
-                report = chosen if self.leader else []
-                outputs.append(SeqOutput(seq, choice=report[0] if report else None, more=report[1:]))
+                if draws:
+                    picked.append((seq, draws))
+                else:
+                    outputs.append(SeqOutput(seq))
             except Exception as exc:
                 outputs.append(self._fail(seq, exc))
-        return outputs
+        made = self._snapshots(runnable)
+        if self.lookahead and picked:  # queued behind this step on the device, before its tokens are read
+            self._look_ahead_drafts([(seq, draws[-1]) for seq, draws in picked])
+        for seq, draws in picked:
+            try:
+                chosen = [d.choice() for d in draws]
+            except Exception as exc:
+                outputs.append(self._fail(seq, exc))
+                continue
+            report = chosen if self.leader else []
+            outputs.append(SeqOutput(seq, choice=report[0] if report else None, more=report[1:]))
+            if seq in self.ahead and self.ahead[seq].verified is not None:
+                self.ahead[seq].token = chosen[-1].token
+        return outputs, made
+
+    def _verify(self, runnable: list[SeqWork]) -> tuple[dict[int, tuple[Verified | None, list[int], int, torch.Tensor | None]], list[SeqOutput]]:
+        """Each work's verify rows (its tokens and its draft), fed ahead or fed now, as (Verified,
+        the tokens, the position of the first, the draft); None for a work with no tokens."""
+        verified: dict[int, tuple[Verified | None, list[int], int, torch.Tensor | None]] = {}
+        outputs: list[SeqOutput] = []
+        fresh: list[SeqWork] = []
+        for w in runnable:
+            ahead = self.ahead.pop(w.seq, None)
+            try:
+                if ahead is not None:
+                    v = ahead.verified
+                    if v is None:
+                        raise RuntimeError(f"sequence {w.seq}: its look-ahead failed")
+                    if w.sample and w.tokens == [ahead.token]:
+                        verified[w.seq] = (v, [ahead.token], ahead.start, ahead.draft)
+                        continue
+                    if v.retract is None:
+                        raise RuntimeError(f"sequence {w.seq}: the step does not feed the token fed ahead, which cannot be taken back here")
+                    self.states[w.seq] = self.model.take_back(self.states[w.seq], v.retract)
+                fresh.append(w)
+            except Exception as exc:
+                outputs.append(self._fail(w.seq, exc))
+        starts = {w.seq: self.states[w.seq].pos for w in fresh}
+        fed = [w for w in fresh if w.tokens]
+        drafts = {w.seq: self.drafts.pop(w.seq) for w in fed if w.sample and w.seq in self.drafts}
+        try:
+            rows = self.model.verify_batch([(torch.tensor(w.tokens), self.states[w.seq], drafts.get(w.seq)) for w in fed], self.num) if fed else []
+        except Exception as exc:  # states of this batch are no longer trustworthy: end these sequences
+            return verified, outputs + [self._fail(w.seq, exc) for w in fresh]
+        for w, v in zip(fed, rows):
+            verified[w.seq] = (v, list(w.tokens), starts[w.seq], drafts.get(w.seq))
+        for w in fresh:
+            verified.setdefault(w.seq, (None, [], starts[w.seq], None))
+        return verified, outputs
 
     def _snapshots(self, runnable: list[SeqWork]) -> list[SnapshotMade]:
         """The snapshots the works ask for (the leader's: it reports them), of the sequences still running."""
@@ -178,7 +242,7 @@ class Worker:
         for i, w in enumerate(runnable):
             tokens = w.tokens
             if w.seq in self.ahead:
-                _, logits[i] = self.ahead.pop(w.seq)
+                logits[i] = self.ahead.pop(w.seq).logits
                 tokens = tokens[1:]
             if tokens:
                 batch.append((torch.tensor(tokens, dtype=torch.int64), self.states[w.seq]))
@@ -201,7 +265,24 @@ class Worker:
             log.exception("looking ahead failed")
             logits = [None] * len(draws)
         for (seq, _), row in zip(draws, logits):
-            self.ahead[seq] = (-1, row)  # -1 until the token is read; stays -1 if the look-ahead failed
+            self.ahead[seq] = Ahead(-1, logits=row)  # -1 until the token is read; stays -1 if the look-ahead failed
+
+    def _look_ahead_drafts(self, last: list[tuple[int, Draw]]) -> None:
+        """Speculative: feed each sequence its last token drawn and its draft as the next verify
+        rows, both as the device holds them; not one whose context is full."""
+        limit = getattr(self.model, "max_context", None)
+        last = [(seq, draw) for seq, draw in last if limit is None or self.states[seq].pos < limit]
+        if not last:
+            return
+        starts = [self.states[seq].pos for seq, _ in last]
+        drafts = [self.drafts.pop(seq, None) for seq, _ in last]
+        try:
+            verified = self.model.verify_batch([(draw.token, self.states[seq], d) for (seq, draw), d in zip(last, drafts)], self.num, ahead=True)
+        except Exception:  # their states are no longer trustworthy: the next step fails them
+            log.exception("looking ahead failed")
+            verified = [None] * len(last)
+        for (seq, _), v, start, draft in zip(last, verified, starts, drafts):
+            self.ahead[seq] = Ahead(-1, verified=v, start=start, draft=draft)
 
     # ---- snapshots (conversation caches) ---------------------------------------------------------
 
@@ -285,7 +366,7 @@ def serve(args: argparse.Namespace) -> int:
         model = load_worker_model(args)
         num = Numerics.parse(args.numerics)
         worker = Worker(model, num, args.revision, Arena.attach(args.arena) if args.arena else None, leader=args.tp_rank == 0,
-                        lookahead=args.gpu is not None and not args.speculative, speculative=args.speculative)
+                        lookahead=args.gpu is not None, speculative=args.speculative)
         c = model.config
         outbox.send(Ready(model=c.name, vocab_size=c.vocab_size, eos_token_id=c.eos_token_id, load_seconds=time.perf_counter() - began))
     except Exception as exc:
@@ -321,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arena", default=None, help="shared-memory name of the front end's snapshot arena")
     parser.add_argument("--revision", default="", help="the checkpoint's revision, written into snapshots")
     parser.add_argument("--threads", type=int, default=max(1, min(4, os.cpu_count() or 1)))
-    parser.add_argument("--speculative", action="store_true", help="MTP drafts, verified with the next token (no look-ahead then)")
+    parser.add_argument("--speculative", action="store_true", help="MTP drafts, verified with the next token")
     args = parser.parse_args(argv)
     if not args.ckpt and not args.random_weights:
         parser.error("--ckpt or --random-weights is required")

@@ -68,7 +68,8 @@ def test_the_mtp_layer_drafts_as_the_reference_does(models, rows_a_call):
     try:
         for lo in range(0, streams.shape[0], rows_a_call):
             hi = min(streams.shape[0], lo + rows_a_call)
-            got.append(gpu.mtp_forward(streams[lo:hi].to(torch.bfloat16), tokens[lo + 1 : hi + 1].cpu(), lo, seq).clone())
+            nexts = tokens[lo + 1 : hi + 1]  # a decode step's token chosen on the device (not read), a chunk's from the host
+            got.append(gpu.mtp_forward(streams[lo:hi].to(torch.bfloat16), nexts if rows_a_call == 1 else nexts.cpu(), lo, seq).clone())
     finally:
         gpu.free(seq)
     got = torch.cat(got)
@@ -134,6 +135,91 @@ def test_a_rejected_draft_is_taken_back_without_a_trace(models):
     finally:
         for s in (seq, plain):
             gpu.free(s)
+
+
+def test_a_look_ahead_verifies_as_the_host_does_and_is_retracted_without_a_trace(models):
+    """verify_batch(ahead=True) (the worker's look-ahead: the token and its draft still on the
+    device) computes bit for bit what the same rows from the host do, and its retract forgets
+    both rows: the sequence's state is again, bit for bit, what it was before, also where either
+    row completes a CSA group. No retract where the token's row completes the HCA group."""
+    c, gpu, _, device = models
+    tokens = torch.randint(0, c.vocab_size, (PROMPT + DECODE + 1,))
+    seq, same = gpu.new_state(), gpu.new_state()
+    try:
+        for s in (seq, same):
+            gpu.forward_batch([(tokens[:PROMPT], s)])
+        retracted = 0
+        for i in range(PROMPT, PROMPT + DECODE):
+            draft = (int(tokens[i]) + 1) % c.vocab_size
+            before = state_tensors(gpu.export_state(seq))
+            (v,) = gpu.verify_batch([(tokens[i : i + 1].to(device), seq, torch.tensor([draft], device=device))], ahead=True)
+            (w,) = gpu.verify_batch([(tokens[i : i + 1], same, draft)])
+            assert (v.undo is None) == (w.undo is None) == (i + 1 == 127) and (v.retract is None) == (i == 127)
+            assert torch.equal(v.logits, w.logits) and torch.equal(v.streams, w.streams[-v.streams.shape[0] :]) and seq.pos == same.pos
+            if i % 4 and v.retract is not None:  # taken back whole, then fed again as the host feeds it
+                gpu.take_back(seq, v.retract)
+                assert seq.pos == i and all(torch.equal(a, b) for a, b in zip(state_tensors(gpu.export_state(seq)), before))
+                (v,) = gpu.verify_batch([(tokens[i : i + 1], seq, draft)])
+                retracted += 1
+            for s, u in ((seq, v.undo), (same, w.undo)):
+                if u is not None:
+                    gpu.take_back(s, u)
+            assert all(torch.equal(a, b) for a, b in zip(state_tensors(gpu.export_state(seq)), state_tensors(gpu.export_state(same))))
+        assert retracted == sum(i % 4 != 0 and i != 127 for i in range(PROMPT, PROMPT + DECODE))  # rows completing a group: neither, the token's, the draft's
+    finally:
+        for s in (seq, same):
+            gpu.free(s)
+
+
+def test_the_worker_looking_ahead_decodes_as_without_looking_ahead(models, monkeypatch):
+    """The worker's speculative step with the look-ahead (the next verify step queued before the
+    tokens are read) against without: the same tokens every step, and the same closing snapshot,
+    where the look-ahead's rows are taken back. Drafts from an oracle that knows a previous run's
+    tokens (accepted while the runs agree, as drafts are on real weights) and from the MTP layer
+    (random weights: rejected)."""
+    from dsuf.ipc.messages import SeqWork, Step
+    from dsuf.worker.main import Worker
+    from dsuf.worker.sampling import SamplingParams
+
+    c, gpu, _, device = models
+    prompt = torch.randint(0, c.vocab_size, (40,)).tolist()
+
+    def run(lookahead: bool) -> tuple[list[list[int]], bytes]:
+        worker = Worker(gpu, NUM, "rev", speculative=True, lookahead=lookahead)
+        work = SeqWork(1, prompt, sample=True, params=SamplingParams(temperature=0.8, seed=7))
+        steps = []
+        try:
+            for step in range(1, 26):
+                (out,) = worker.run_step(Step(step, [work])).outputs
+                assert out.error is None
+                steps.append([ch.token for ch in (out.choice, *out.more)])
+                work = SeqWork(1, steps[-1][-1:], sample=True)
+            (done,) = worker.run_step(Step(99, [SeqWork(1, [], sample=False, snapshot="c1" * 16)])).outputs  # finished on its last token
+            assert done.error is None
+            return steps, worker.snapshots["c1" * 16]
+        finally:
+            worker.run_step(Step(100, [], release=[1]))
+
+    first, _ = run(False)
+    answer = prompt + [t for chosen in first for t in chosen]
+    real = gpu.mtp_forward
+
+    def oracle(streams, next_tokens, start, seq, num=None):
+        logits = real(streams, next_tokens, start, seq, num).clone()  # the MTP layer's state advances as it would
+        at = start + next_tokens.shape[0] + 1  # the drafted token's position
+        logits[-1] = 0
+        logits[-1, answer[at] if at < len(answer) else 0] = 1
+        return logits
+
+    for drafts in ("oracle", "mtp"):
+        if drafts == "oracle":
+            monkeypatch.setattr(gpu, "mtp_forward", oracle)
+        plain, ahead = run(False), run(True)
+        assert ahead == plain
+        accepted = sum(len(chosen) - 1 for chosen in plain[0])
+        print(f"\n  {drafts} drafts: {accepted} accepted in {len(plain[0])} steps, the same with the look-ahead")
+        assert (accepted > 5) == (drafts == "oracle")
+        monkeypatch.undo()
 
 
 def test_no_draft_is_fed_where_the_context_has_no_room(models):
