@@ -324,7 +324,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip the reference path")
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage timing")
     p.add_argument("--profile", action="store_true", help="also print the CUDA kernels of one eager step of the first configuration "
-                   "(with --model --prefill: of one prefill chunk) (torch.profiler)")
+                   "(with --model --prefill: of one prefill chunk; with --model --tokens-per-seq 2: of one MTP draft) (torch.profiler)")
     p.add_argument("--trace", nargs="?", const="", metavar="JSON", help="with --model: also print where one replay of the first batch's step "
                    "goes (kernels alone on the GPU, overlap, idle gaps; dsuf.gpu.timeline), and one prefill chunk with --prefill; "
                    "rank 0's traces are written to JSON and JSON's stem + -prefill.json if given")
@@ -387,7 +387,10 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
             say(f"  batch {batch}, context {ctx}: {step_us:.1f} µs a step = {fed * 1e6 / step_us:.0f} tokens/s "
                 f"({nbytes / 1e6:.0f} MB a GPU, floor {floor:.1f} µs, {step_us / floor:.1f}x; collectives {coll:.0f} µs)", flush=True)
             if drafting:
-                d_us = draft_us(model, batch, k, ctx, args.reps)
+                draft = draft_call(model, batch, k, ctx)
+                d_us = replay_us(graph_of_calls([draft]), args.reps)
+                if args.profile and len(rows_out) == 1:
+                    profiled(draft, f"one MTP draft of {batch * k} rows, rank 0", show=rank == 0)
                 projected = ", ".join(f"{a:.0%}: {batch * (1 + (k - 1) * a) * 1e6 / (step_us + d_us):.0f}" for a in (0.6, 0.8, 0.9))
                 say(f"    MTP draft of {batch * k} rows: {d_us:.1f} µs; tokens/s a step plus a draft would give if this share of "
                     f"drafts were accepted (k - 1 = {k - 1} a step; random weights accept none): {projected}", flush=True)
@@ -421,16 +424,16 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
     return 0
 
 
-def draft_us(model, batch: int, k: int, ctx: int, reps: int) -> float:
+def draft_call(model, batch: int, k: int, ctx: int) -> Callable[[], object]:
     """One MTP draft (GpuModel.draft) of the rows a verify step of k tokens a sequence keeps at
-    most, as a CUDA graph (every rank runs it: the MTP layer's collectives)."""
+    most (every rank runs it: the MTP layer's collectives), run once (kernels loaded, buffers grown)."""
     c, device = model.config, model.device
     streams = torch.randn(batch * k, c.hc_mult, c.dim, device=device).to(torch.bfloat16)
     ids = torch.randint(0, c.vocab_size, (batch * k,), device=device)
     slots = torch.arange(1, batch + 1, device=device).repeat_interleave(k)
     pos = (ctx - k + torch.arange(k, device=device)).repeat(batch)
-    model.draft(streams, ids, slots, pos)  # kernels loaded, buffers grown
-    return replay_us(graph_of_calls([lambda: model.draft(streams, ids, slots, pos)]), reps)
+    model.draft(streams, ids, slots, pos)
+    return lambda: model.draft(streams, ids, slots, pos)
 
 
 def prompts_for(sizes: list[int], contexts: list[int], ctx: int) -> list[int]:
