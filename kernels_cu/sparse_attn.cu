@@ -4,8 +4,10 @@
 // with per-head attention sinks. What layers.sink_attention computes in reference numerics:
 //   s = (q . k) * scale; p = exp(s - max); out = sum(bf16(p) k) / (sum(p) + exp(sink - max)).
 //
-// Flash-decoding: grid (splits, rows). CTA (split, row) takes index slots
-// [split * per_split, +per_split) of its row in tiles of 32 entries: the tile is gathered and
+// Flash-decoding: grid (splits, rows, head groups). CTA (split, row, group) takes index slots
+// [split * per_split, +per_split) of its row for heads [group * head_tile, +head_tile) (a decode
+// step's few rows split their heads too, so that more SMs share the step's latency; each head's
+// arithmetic is the same whichever CTA does it) in tiles of 32 entries: the tile is gathered and
 // dequantised to bf16 in shared memory, S = Q K^T on the tensor cores (bf16 mma, fp32
 // accumulators), an online softmax in fp32 (probabilities rounded to bf16 against the running
 // max, as the reference kernel does), O += P K. It writes its unnormalised O, its max and its sum
@@ -42,6 +44,7 @@ struct AttnParams {
   int heads;           // query heads a row has (a tensor-parallel rank's share of 64)
   const float* cos_t;  // [rows, 32] or null: sparse_attn_combine then rotates the output's last
   const float* sin_t;  // 64 dims back by the row's position (rope.cu's inverse, on the bf16 output)
+  int head_tile;       // heads a CTA takes (a multiple of 16)
 };
 
 // Shared memory of sparse_attn_decode, in bytes (the launcher asks for this much).
@@ -119,23 +122,23 @@ DSUF_DEVICE u32 out_pair(const AttnParams& p, int row, int d, float o0, float o1
 
 // A row of one split (a prompt chunk's rows): its output straight from the accumulators, by the
 // operations sparse_attn_combine would apply to this split alone (0 + x w as its first sum
-// rounds it). wl: 2 floats a head of shared memory no thread reads any more.
-DSUF_DEVICE void finish_row(const AttnParams& p, int row, float m_run, float l_run, const float (&acc)[4][8][4], float* wl) {
+// rounds it). wl: 2 floats a head of shared memory no thread reads any more. Heads h0 .. h0+nh-1.
+DSUF_DEVICE void finish_row(const AttnParams& p, int row, int h0, int nh, float m_run, float l_run, const float (&acc)[4][8][4], float* wl) {
   const int tid = threadIdx.x, warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3, sr = tid >> 2, sq = tid & 3;
-  if (sq == 0 && sr < p.heads) {
+  if (sq == 0 && sr < nh) {
     const float ref = m_run == NEG_INF ? 0.0f : m_run;
     const float w = expf(m_run - ref);
     wl[2 * sr] = w;
-    wl[2 * sr + 1] = __fadd_rn(__fadd_rn(0.0f, __fmul_rn(l_run, w)), expf(p.sink[sr] - ref));
+    wl[2 * sr + 1] = __fadd_rn(__fadd_rn(0.0f, __fmul_rn(l_run, w)), expf(p.sink[h0 + sr] - ref));
   }
   __syncthreads();
-  u16* out = p.out + (i64)row * p.heads * DIM;
+  u16* out = p.out + ((i64)row * p.heads + h0) * DIM;
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int h = 16 * mt + g + 8 * half;
-      if (h >= p.heads) continue;
+      if (h >= nh) continue;
       const float w = wl[2 * h], l = wl[2 * h + 1];
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
@@ -160,13 +163,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
   const int split = blockIdx.x, row = blockIdx.y;
   const int begin = split * p.per_split, end = min(p.n_idx, begin + p.per_split);
 
-  // A tensor-parallel rank's heads (p.heads of 64), padded to whole 16-head MMA tiles: the tiles
-  // past them are neither computed nor written.
-  const int hp = (p.heads + 15) & ~15;
-  const u16* q = p.q + (i64)row * p.heads * DIM;
+  // This CTA's heads h0 .. h0+n_heads-1 (of a tensor-parallel rank's p.heads), padded to whole 16-head
+  // MMA tiles: the tiles past them are neither computed nor written.
+  const int h0 = blockIdx.z * p.head_tile, n_heads = min(p.heads - h0, p.head_tile);
+  const int hp = (n_heads + 15) & ~15;
+  const u16* q = p.q + ((i64)row * p.heads + h0) * DIM;
   for (int i = tid; i < hp * DIM / 8; i += 256) {
     const int h = i / (DIM / 8), c = i % (DIM / 8);
-    *reinterpret_cast<uint4*>(q_s + h * ROW + 8 * c) = h < p.heads ? *reinterpret_cast<const uint4*>(q + h * DIM + 8 * c) : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(q_s + h * ROW + 8 * c) = h < n_heads ? *reinterpret_cast<const uint4*>(q + h * DIM + 8 * c) : make_uint4(0, 0, 0, 0);
   }
 
   const int ge = tid >> 3, gj = tid & 7;  // gather role
@@ -279,22 +283,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
   }
 
   if (p.splits == 1) {  // sparse_attn_combine's work for one split, here (the same operations)
-    finish_row(p, row, m_run, l_run, acc, s_s);
+    finish_row(p, row, h0, n_heads, m_run, l_run, acc, s_s);
     return;
   }
   const i64 part = (i64)row * p.splits + split;
-  if (sq == 0 && sr < p.heads) {
-    p.part_ml[(part * HEADS + sr) * 2] = m_run;
-    p.part_ml[(part * HEADS + sr) * 2 + 1] = l_run;
+  if (sq == 0 && sr < n_heads) {
+    p.part_ml[(part * HEADS + h0 + sr) * 2] = m_run;
+    p.part_ml[(part * HEADS + h0 + sr) * 2 + 1] = l_run;
   }
-  float* po = p.part_o + part * HEADS * DIM;
+  float* po = p.part_o + (part * HEADS + h0) * DIM;
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
       const int h = 16 * mt + g, d = 64 * warp + 8 * n + 2 * t;
-      if (h < p.heads) *reinterpret_cast<float2*>(po + h * DIM + d) = make_float2(acc[mt][n][0], acc[mt][n][1]);
-      if (h + 8 < p.heads) *reinterpret_cast<float2*>(po + (h + 8) * DIM + d) = make_float2(acc[mt][n][2], acc[mt][n][3]);
+      if (h < n_heads) *reinterpret_cast<float2*>(po + h * DIM + d) = make_float2(acc[mt][n][0], acc[mt][n][1]);
+      if (h + 8 < n_heads) *reinterpret_cast<float2*>(po + (h + 8) * DIM + d) = make_float2(acc[mt][n][2], acc[mt][n][3]);
     }
 }
 

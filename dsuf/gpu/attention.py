@@ -83,16 +83,22 @@ class AttnParams(ctypes.Structure):
         ("heads", ctypes.c_int),
         ("cos_t", ctypes.c_void_p),
         ("sin_t", ctypes.c_void_p),
+        ("head_tile", ctypes.c_int),
     ]
 
 
-def choose_splits(n_idx: int, rows: int, sms: int) -> tuple[int, int]:
-    """(splits, index slots per split): one CTA per SM (the kernel fills one), so about
-    sms / rows splits a row, never more than the row has tiles, none of them empty."""
+def choose_splits(n_idx: int, rows: int, sms: int, heads: int = HEADS) -> tuple[int, int, int]:
+    """(splits, index slots per split, heads a CTA takes): one CTA per SM (the kernel fills one),
+    so about sms / rows splits a row, never more than the row has tiles, none of them empty; where
+    that leaves SMs idle (a decode step's rows of a few tiles each), each split's heads are
+    divided among 2 or 4 CTAs too (16-head MMA tiles)."""
     tiles = max(1, math.ceil(n_idx / TILE))
     want = max(1, min(tiles, sms // max(1, rows)))
     per_split = math.ceil(tiles / want)
-    return math.ceil(tiles / per_split), per_split * TILE
+    splits = math.ceil(tiles / per_split)
+    head_tiles = math.ceil(heads / 16)
+    groups = next(g for g in (4, 2, 1) if g == 1 or (g <= head_tiles and rows * splits * g <= sms))
+    return splits, per_split * TILE, 16 * math.ceil(head_tiles / groups)
 
 
 def sparse_attention(
@@ -112,7 +118,7 @@ def sparse_attention(
     if pool.dtype != torch.uint8 or pool.shape[-1] != KV_ENTRY_BYTES or not pool.is_contiguous():
         raise ValueError(f"sparse_attention: the pool must be contiguous uint8 [entries, {KV_ENTRY_BYTES}]")
     n_idx = idx.shape[1]
-    splits, per_split = choose_splits(n_idx, rows, sm_count(q.device))
+    splits, per_split, head_tile = choose_splits(n_idx, rows, sm_count(q.device), heads)
     # (one split a row: the attention kernel finishes each row itself, no partial outputs)
     part_o = torch.empty((rows, splits, HEADS, HEAD_DIM) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((rows, splits, HEADS, 2) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
@@ -129,7 +135,8 @@ def sparse_attention(
     p.part_o, p.part_ml, p.out = part_o.data_ptr(), part_ml.data_ptr(), out.data_ptr()
     p.n_idx, p.per_split, p.splits, p.scale, p.heads = n_idx, per_split, splits, scale, heads
     p.cos_t, p.sin_t = (cos.data_ptr(), sin.data_ptr()) if cos is not None else (0, 0)
-    get_kernel("sparse_attn", "sparse_attn_decode", q.device)((splits, rows, 1), 256, [p], shared=SHARED_BYTES)
+    p.head_tile = head_tile
+    get_kernel("sparse_attn", "sparse_attn_decode", q.device)((splits, rows, math.ceil(heads / head_tile)), 256, [p], shared=SHARED_BYTES)
     if splits > 1:
         get_kernel("sparse_attn", "sparse_attn_combine", q.device)((heads, rows, 1), 128, [p])
     return out

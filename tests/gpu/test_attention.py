@@ -116,9 +116,9 @@ def check_attention(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, what
     sink = torch.randn(HEADS, device=q.device) * 2
     out = torch.full((rows, HEADS, DIM), float("nan"), dtype=torch.bfloat16, device=q.device)  # poison
     sparse_attention(q, pool, idx, sink, SCALE, out=out)
-    splits, per_split = choose_splits(n, rows, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    splits, per_split, head_tile = choose_splits(n, rows, torch.cuda.get_device_properties(q.device).multi_processor_count)
     ref = reference_attention(q, pool, idx, sink)
-    rel, _ = compare(f"sparse attention {rows} rows x {n} entries ({splits} splits of {per_split}, {what})", out, ref)
+    rel, _ = compare(f"sparse attention {rows} rows x {n} entries ({splits} splits of {per_split}, {head_tile} heads a CTA, {what})", out, ref)
     # The kernel rounds probabilities to bf16 against each tile's running max, not the global max
     # as the reference does (DeepSeek's own kernel does the same), so where an output cancels
     # between large terms the two differ by more than an ulp of the output. Measured against the
@@ -134,11 +134,13 @@ def check_attention(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, what
     assert torch.equal(sparse_attention(q, pool, idx, sink, SCALE), out), "not deterministic"
 
 
+@pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("heads", [32, 16, 8])
-def test_a_tensor_parallel_ranks_heads_attend_as_within_all_64(cuda, heads):
+def test_a_tensor_parallel_ranks_heads_attend_as_within_all_64(cuda, heads, rows):
     """A rank of a split model holds 64 / world query heads: the kernel takes them as they are
-    and gives, bit for bit, what those heads get among all 64."""
-    rows, n = 4, 640
+    and gives, bit for bit, what those heads get among all 64. (One row: the 64 heads are split
+    among four CTAs a split, 32 among two, 16 take one.)"""
+    n = 640
     pool = new_pool(rows * n, cuda)
     pack_kv(random_kv(rows * n, cuda), pool)
     idx = torch.randint(0, rows * n, (rows, n), device=cuda, dtype=torch.int32)
