@@ -11,7 +11,7 @@
 //                    `iters` rounds in all); grid (T), one warp (lane 4j + k holds comb[j, k]).
 //   hc_expand:       X'_k = f32(post_k * out) + f32(sum_j comb[j, k] X_j (float64)), to bf16;
 //                    grid (D / 2048, T), 256 threads x 8 dims.
-//   hc_chunk_mixes:  hc_mixes for a prompt chunk (8 tokens a CTA).
+//   hc_chunk_mixes:  hc_mixes for a prompt chunk (64 tokens a CTA, on the float64 tensor cores).
 // At decode a site's block input rms_norm(hc_collapse(X, pre)) needs only the mixes and pre:
 // rmsnorm.cu's hc_pre_collapse_rmsnorm_bf16 takes the mixes and forms pre itself, while
 // hc_coefficients makes post and comb (used only at the site's expand) on another stream.
@@ -78,75 +78,146 @@ extern "C" __global__ void __launch_bounds__(MIX_THREADS) hc_mixes(
   }
 }
 
-// hc_chunk_mixes: a prompt chunk's mixes, the sums of hc_mixes (float64 products of the bf16
-// stream values and float32 fn, and of their squares) in another order. x [T, L] bf16 (L = n*D, a
-// multiple of CM_CHUNK), fn [HC_MIXES, L]; grid (T / CM_TOKENS rounded up), 128 threads: warp w
-// takes fn rows CM_ROWS w .. + CM_ROWS for the CTA's tokens, staged as double in shared memory
-// CM_CHUNK values at a time, and the squares of tokens 2w, 2w + 1.
-#define CM_TOKENS 8
-#define CM_CHUNK 256
-#define CM_ROWS (HC_MIXES / 4)
-// Where value i of a token's chunk sits: each 16-value block's order XOR-ed with the block's
-// number, so that the staging stores (a thread writes 16 consecutive values) and the loads (a
-// lane reads every 32nd) both spread over the banks.
-#define CM_AT(i) ((i) ^ (((i) >> 4) & 15))
+// hc_chunk_mixes: a prompt chunk's mixes on the float64 tensor cores (mma m16n8k16 f64: every
+// product of a bf16 stream value and a float32 fn value is exact in float64, and so are the sums
+// as far as the float32 result can tell: the sums of hc_mixes in another order). x [T, L] bf16
+// (L = n*D, a multiple of CM_CHUNK), fn [HC_MIXES, L]; grid (T / CM_TOKENS rounded up), 256
+// threads: warp w takes tokens 16 (w % 4) .. +16 (two 8-token tiles) of the CTA's 64 and all 24
+// rows of fn (three 8-row tiles), over half of each chunk of CM_CHUNK values (w / 4); the halves
+// are added at the end. Each 32-value group is one 16-byte load a lane of each tile's stream values
+// (lane l: token l/4, values 8c .. 8c+7, c = l%4), and of the group's two k-steps of 16, step s
+// gives the lane's k c + 4q value 8c + 4s + q: A and B agree on that order, and the dot product
+// does not care. fn comes through shared memory as
+// float64, a chunk at a time in that fragment order (conflict-free 16-byte loads), converted once
+// a CTA. A lane also sums its values' squares (the RMS statistic), in float64 as hc_mixes.
+#define CM_WARPS 8
+#define CM_TOKENS 64
+#define CM_CHUNK 128
+#define CM_GROUPS (CM_CHUNK / 32)
+#define CM_FN_PER_THREAD (HC_MIXES * CM_CHUNK / (32 * CM_WARPS))
 
-extern "C" __global__ void __launch_bounds__(128) hc_chunk_mixes(
+// D += A B, m16n8k16 in float64 (sm_90): lane 4g + t holds A rows g (even i) and g + 8 (odd i)
+// at k t + 4 (i / 2), B column g at k t + 4 i, D rows g (0, 1) and g + 8 (2, 3) at columns 2t, 2t + 1.
+DSUF_DEVICE void dmma_m16n8k16(double (&d)[4], const double (&a)[8], const double (&b)[4]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, {%0, %1, %2, %3};"
+               : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+               : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(a[4]), "d"(a[5]), "d"(a[6]), "d"(a[7]), "d"(b[0]), "d"(b[1]), "d"(b[2]), "d"(b[3]));
+}
+
+DSUF_DEVICE void bf16x8_to_f64(const uint4 v, double (&a)[8]) {
+  const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) a[j] = bf16_to_f32(j & 1 ? w[j >> 1] >> 16 : w[j >> 1] & 0xffff);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * CM_WARPS, 1) hc_chunk_mixes(
     const u16* __restrict__ x, const float* __restrict__ fn, float* __restrict__ mix, int L, int T, double eps) {
-  __shared__ double xs[CM_TOKENS][CM_CHUNK];
-  __shared__ double ssq[CM_TOKENS];
+  // fs[buf][((nt * CM_GROUPS + g) * 4 + i) * 32 + lane]: values 8c + 2i, +1 of group g for the
+  // lane (row 8 nt + l/4, c = l%4): a lane's 16-byte loads of one i are consecutive.
+  // After the loop the same memory holds the second halves' sums: halves[mp][token][row], then
+  // their squares (48 KB in all: the static limit).
+  __shared__ __align__(16) double2 fs[2][3 * CM_GROUPS * 4 * 32];
+  auto halves = reinterpret_cast<double(*)[16][HC_MIXES + 1]>(&fs[0][0]);
+  auto half_sq = reinterpret_cast<double(*)[16]>(halves + 4);
+  static_assert(sizeof(fs) >= sizeof(double) * 4 * 16 * (HC_MIXES + 2), "the halves fit where fn was staged");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane & 3, mp = warp & 3, half = warp >> 2;
   pdl_begin();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t0 = blockIdx.x * CM_TOKENS;
-  const float* fw = fn + (i64)CM_ROWS * warp * L;
-  double acc[CM_TOKENS][CM_ROWS], sq[2] = {0.0, 0.0};
+  // This thread's share of fn's chunk: rows e / CM_CHUNK, values e % CM_CHUNK (coalesced).
+  float fv[CM_FN_PER_THREAD];
+  auto load_fn = [&](int chunk) {
 #pragma unroll
-  for (int t = 0; t < CM_TOKENS; ++t)
-#pragma unroll
-    for (int r = 0; r < CM_ROWS; ++r) acc[t][r] = 0.0;
-  const int st = threadIdx.x >> 4, se = (threadIdx.x & 15) * 16;  // staging: token st, values se ..
-  for (int c0 = 0; c0 < L; c0 += CM_CHUNK) {
-    uint4 v[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};  // past T: zeros
-    if (t0 + st < T) {
-      const u16* src = x + (i64)(t0 + st) * L + c0 + se;
-      v[0] = *reinterpret_cast<const uint4*>(src);
-      v[1] = *reinterpret_cast<const uint4*>(src + 8);
+    for (int u = 0; u < CM_FN_PER_THREAD; ++u) {
+      const int e = threadIdx.x + u * 32 * CM_WARPS;
+      fv[u] = fn[(i64)(e / CM_CHUNK) * L + (i64)chunk * CM_CHUNK + e % CM_CHUNK];
     }
-    __syncthreads();  // the previous chunk is no longer read
+  };
+  auto store_fn = [&](int buf) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const u32 w[4] = {v[h].x, v[h].y, v[h].z, v[h].w};
-#pragma unroll
-      for (int k = 0; k < 8; ++k) xs[st][CM_AT(se + 8 * h + k)] = bf16_to_f32(k & 1 ? w[k >> 1] >> 16 : w[k >> 1] & 0xffff);
+    for (int u = 0; u < CM_FN_PER_THREAD; ++u) {
+      const int e = threadIdx.x + u * 32 * CM_WARPS, n = e / CM_CHUNK, k = e % CM_CHUNK, kk = k & 31, j = kk & 7;
+      const int at = (((n >> 3) * CM_GROUPS + (k >> 5)) * 4 + (j >> 1)) * 32 + 4 * (n & 7) + (kk >> 3);
+      reinterpret_cast<double*>(&fs[buf][at])[j & 1] = fv[u];
     }
-    __syncthreads();
-#pragma unroll 2
-    for (int e = 0; e < CM_CHUNK / 32; ++e) {
-      const int i = 32 * e + lane, at = CM_AT(i);
-      double f[CM_ROWS];
+  };
+  const int tok0 = blockIdx.x * CM_TOKENS + 16 * mp + (lane >> 2);
+  const u16* xt[2];
+  bool in[2];
 #pragma unroll
-      for (int r = 0; r < CM_ROWS; ++r) f[r] = fw[(i64)r * L + c0 + i];
+  for (int m = 0; m < 2; ++m) {
+    in[m] = tok0 + 8 * m < T;
+    xt[m] = x + (i64)min(tok0 + 8 * m, T - 1) * L + 8 * c + 64 * half;
+  }
+  double acc[3][4] = {}, sq[2] = {0.0, 0.0};  // per 8-row tile of fn: tokens g (0, 1) and g + 8 (2, 3)
+  const int chunks = L / CM_CHUNK;
+  uint4 xv[2][2], xn[2][2];  // this half's two groups of the chunk's stream values, and the next chunk's
+  auto load_x = [&](uint4 (&v)[2][2], int chunk) {
 #pragma unroll
-      for (int t = 0; t < CM_TOKENS; ++t) {
-        const double xv = xs[t][at];
+    for (int m = 0; m < 2; ++m)
 #pragma unroll
-        for (int r = 0; r < CM_ROWS; ++r) acc[t][r] += xv * f[r];
+      for (int g = 0; g < 2; ++g) v[m][g] = in[m] ? *reinterpret_cast<const uint4*>(xt[m] + (i64)chunk * CM_CHUNK + 32 * g) : make_uint4(0, 0, 0, 0);
+  };
+  load_fn(0);
+  load_x(xn, 0);
+  for (int chunk = 0; chunk < chunks; ++chunk) {
+    const int buf = chunk & 1;
+    store_fn(buf);
+#pragma unroll
+    for (int m = 0; m < 2; ++m) xv[m][0] = xn[m][0], xv[m][1] = xn[m][1];
+    if (chunk + 1 < chunks) {  // in flight while this chunk is multiplied
+      load_fn(chunk + 1);
+      load_x(xn, chunk + 1);
+    }
+    __syncthreads();  // the chunk's fn is staged (and the buffer staged next is no longer read)
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+      double a[2][8];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        bf16x8_to_f64(xv[m][g], a[m]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sq[m] += a[m][j] * a[m][j];
       }
-      sq[0] += xs[2 * warp][at] * xs[2 * warp][at];
-      sq[1] += xs[2 * warp + 1][at] * xs[2 * warp + 1][at];
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {  // values 8c + 4 step + q of the lane's at k c + 4q
+        const double as[8] = {a[0][4 * step], a[1][4 * step], a[0][4 * step + 1], a[1][4 * step + 1],
+                              a[0][4 * step + 2], a[1][4 * step + 2], a[0][4 * step + 3], a[1][4 * step + 3]};
+#pragma unroll
+        for (int nt = 0; nt < 3; ++nt) {
+          const double2* b2 = fs[buf] + ((nt * CM_GROUPS + 2 * half + g) * 4 + 2 * step) * 32 + lane;
+          const double2 b01 = b2[0], b23 = b2[32];
+          dmma_m16n8k16(acc[nt], as, {b01.x, b01.y, b23.x, b23.y});
+        }
+      }
     }
   }
-  sq[0] = warp_sum(sq[0]);
-  sq[1] = warp_sum(sq[1]);
-  if (lane == 0) ssq[2 * warp] = sq[0], ssq[2 * warp + 1] = sq[1];
-  __syncthreads();
 #pragma unroll
-  for (int t = 0; t < CM_TOKENS; ++t) {
-    const float rs = (float)(1.0 / sqrt(ssq[t] / L + eps));
+  for (int m = 0; m < 2; ++m) {  // the token's four lanes
+    sq[m] += __shfl_xor_sync(0xffffffffu, sq[m], 1);
+    sq[m] += __shfl_xor_sync(0xffffffffu, sq[m], 2);
+  }
+  __syncthreads();  // fn's buffers are no longer read
+  if (half) {  // the second half's sums to shared memory; the first half adds them
 #pragma unroll
-    for (int r = 0; r < CM_ROWS; ++r) {
-      const double d = warp_sum(acc[t][r]);
-      if (lane == 0 && t0 + t < T) mix[(i64)(t0 + t) * HC_MIXES + CM_ROWS * warp + r] = __fmul_rn((float)d, rs);
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+      for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) halves[mp][8 * m + (lane >> 2)][nt * 8 + 2 * c + i] = acc[nt][2 * m + i];
+      if (c == 0) half_sq[mp][8 * m + (lane >> 2)] = sq[m];
     }
+  }
+  __syncthreads();
+  if (half) return;
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    const int t = 8 * m + (lane >> 2);
+    if (!in[m]) continue;
+    const float rs = (float)(1.0 / sqrt((sq[m] + half_sq[mp][t]) / L + eps));
+#pragma unroll
+    for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        mix[(i64)(tok0 + 8 * m) * HC_MIXES + nt * 8 + 2 * c + i] = __fmul_rn((float)(acc[nt][2 * m + i] + halves[mp][t][nt * 8 + 2 * c + i]), rs);
   }
 }
 

@@ -2,8 +2,8 @@
 coefficients (`layers.HyperConnection.coefficients`), the block input it collapses the streams
 into (`HcSite.block_input`: rms_norm(hc_collapse(x, pre))) and the stream update
 (`layers.hc_expand`), numerically the reference's (float64 sums, float32 rounding where it
-rounds). A prompt chunk's mixes come from hc_chunk_mixes (8 tokens a CTA), which beats the
-per-token kernel there."""
+rounds). A prompt chunk's mixes come from hc_chunk_mixes (64 tokens a CTA, on the float64
+tensor cores), which beats the per-token kernel there."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from .runtime import get_kernel, ptr
 HC_N = 4  # streams (hc_mult); the kernels are written for 4
 MIX_THREADS = 512  # mirror of mhc.cu
 MIX_TOKEN_GROUPS = 8  # hc_mixes: CTAs a row of fn (each takes every 8th token)
-CHUNK_MIX_TOKENS = 8  # hc_chunk_mixes: tokens a CTA (CM_TOKENS in mhc.cu)
-CHUNK_MIX_VALUES = 256  # ... stream values staged at a time (CM_CHUNK)
+CHUNK_MIX_TOKENS = 64  # hc_chunk_mixes: tokens a CTA (CM_TOKENS in mhc.cu)
+CHUNK_MIX_VALUES = 128  # ... fn values a row staged at a time (CM_CHUNK)
 
 
 @dataclass
@@ -86,7 +86,7 @@ class HcSite:
             raise ValueError(f"hc_chunk_mixes: n * D must be a multiple of {CHUNK_MIX_VALUES}, got {n * d}")
         mix = torch.empty((t, self.fn.shape[0]), dtype=torch.float32, device=x.device)
         get_kernel("mhc", "hc_chunk_mixes", x.device)(
-            (math.ceil(t / CHUNK_MIX_TOKENS), 1, 1), 128, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(n * d), ctypes.c_int(t), ctypes.c_double(self.norm_eps)]
+            (math.ceil(t / CHUNK_MIX_TOKENS), 1, 1), 256, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(n * d), ctypes.c_int(t), ctypes.c_double(self.norm_eps)]
         )
         return mix
 
