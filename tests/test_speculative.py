@@ -75,19 +75,24 @@ def test_a_draft_needs_only_the_last_window_of_rows(model):
     assert int(got) == want and torch.equal(state.mtp[0].window, every.mtp[0].window)
 
 
-def test_every_rank_speculates_alike_and_only_the_leader_reports(model):
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_every_rank_speculates_alike_and_only_the_leader_reports(model, lookahead):
     """The ranks of a tensor-parallel model each run the speculative step (their MTP layers meet in
-    collectives): a rank that is not the leader makes the same choices and reports none."""
+    collectives): a rank that is not the leader makes the same choices (and looks ahead alike)
+    and reports none."""
     from dsuf.ipc.messages import SeqWork, Step
     from dsuf.worker.main import Worker
     from dsuf.worker.sampling import SamplingParams
 
-    leader, other = Worker(model, EXACT, "", speculative=True), Worker(model, EXACT, "", leader=False, speculative=True)
+    leader, other = (Worker(model, EXACT, "", leader=rank == 0, speculative=True, lookahead=lookahead) for rank in (0, 1))
     work = SeqWork(1, PROMPT.tolist(), sample=True, params=SamplingParams(temperature=0.8, seed=3))
     for step in range(1, 12):
         (mine,), (theirs,) = (w.run_step(Step(step, [work])).outputs for w in (leader, other))
         assert mine.choice is not None and theirs.choice is None and theirs.more == [] and theirs.error is None
         assert leader.states[1].pos == other.states[1].pos and {k: int(d) for k, d in leader.drafts.items()} == {k: int(d) for k, d in other.drafts.items()}
+        assert (1 in leader.ahead) == (1 in other.ahead) == lookahead
+        if lookahead:
+            assert leader.ahead[1].token == other.ahead[1].token == (mine.more or [mine.choice])[-1].token
         work = SeqWork(1, [(mine.more or [mine.choice])[-1].token], sample=True)
 
 
