@@ -8,7 +8,8 @@
 //                    blockIdx.y, + gridDim.y, ...
 //   hc_coefficients: pre = f32(sigmoid(mix * scale0 + base)) + hc_eps; post = 2 f32(sigmoid(..));
 //                    comb = Sinkhorn of softmax(logits) in float64 (row/column normalisation,
-//                    `iters` rounds in all); grid (T), one warp (lane 4j + k holds comb[j, k]).
+//                    `iters` rounds in all); grid (T / 2), a half-warp a token (lane 4j + k
+//                    of it holds comb[j, k]).
 //   hc_expand:       X'_k = f32(post_k * out) + f32(sum_j comb[j, k] X_j (float64)), to bf16;
 //                    grid (D / 2048, T), 256 threads x 8 dims.
 //   hc_chunk_mixes:  hc_mixes for a prompt chunk (64 tokens a CTA, on the float64 tensor cores).
@@ -223,17 +224,18 @@ extern "C" __global__ void __launch_bounds__(32 * CM_WARPS, 1) hc_chunk_mixes(
 
 extern "C" __global__ void __launch_bounds__(32) hc_coefficients(
     const float* __restrict__ mix, const float* __restrict__ scale, const float* __restrict__ base,
-    float* __restrict__ pre, float* __restrict__ post, float* __restrict__ comb, float hc_eps, int iters) {
+    float* __restrict__ pre, float* __restrict__ post, float* __restrict__ comb, float hc_eps, int iters, int T) {
   pdl_begin();
-  const int tok = blockIdx.x, lane = threadIdx.x;
+  const int tok = min(2 * blockIdx.x + (threadIdx.x >> 4), T - 1), lane = threadIdx.x & 15;  // a half-warp a token
+  const bool mine = 2 * blockIdx.x + (threadIdx.x >> 4) < T;  // (an odd T's last half-warp repeats its twin's token, unwritten)
   const float* m = mix + (i64)tok * HC_MIXES;
   if (lane < HC_N) {
-    pre[tok * HC_N + lane] = hc_pre_value(m[lane], scale[0], base[lane], hc_eps);
-  } else if (lane < 2 * HC_N) {
+    if (mine) pre[tok * HC_N + lane] = hc_pre_value(m[lane], scale[0], base[lane], hc_eps);
+  } else if (lane < 2 * HC_N && mine) {
     const float z = __fadd_rn(__fmul_rn(m[lane], scale[1]), base[lane]);
     post[tok * HC_N + lane - HC_N] = 2.0f * (float)sigmoid_f64(z);
   }
-  const int c = lane & 15;  // comb[j, k], j = c / 4, k = c % 4
+  const int c = lane;  // comb[j, k], j = c / 4, k = c % 4; the shuffles below stay within the half-warp
   const double logit = __fadd_rn(__fmul_rn(m[2 * HC_N + c], scale[2]), base[2 * HC_N + c]);
   const double eps = hc_eps;
   double mx = fmax(logit, __shfl_xor_sync(0xffffffffu, logit, 1));
@@ -253,7 +255,7 @@ extern "C" __global__ void __launch_bounds__(32) hc_coefficients(
     col += __shfl_xor_sync(0xffffffffu, col, 8);
     v = v / (col + eps);
   }
-  if (lane < 16) comb[tok * HC_N * HC_N + c] = (float)v;
+  if (mine) comb[tok * HC_N * HC_N + c] = (float)v;
 }
 
 extern "C" __global__ void __launch_bounds__(256) hc_expand(

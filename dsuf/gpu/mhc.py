@@ -64,9 +64,10 @@ class HcSite:
         pre, post, comb = out or self._outputs(t, mix.device)
         if t:
             get_kernel("mhc", "hc_coefficients", mix.device)(
-                (t, 1, 1),
+                ((t + 1) // 2, 1, 1),
                 32,
-                [ptr(mix), ptr(self.scale), ptr(self.base), ptr(pre), ptr(post), ptr(comb), ctypes.c_float(self.hc_eps), ctypes.c_int(self.iters)],
+                [ptr(mix), ptr(self.scale), ptr(self.base), ptr(pre), ptr(post), ptr(comb), ctypes.c_float(self.hc_eps), ctypes.c_int(self.iters),
+                 ctypes.c_int(t)],
             )
         return pre, post, comb
 

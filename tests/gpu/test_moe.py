@@ -198,8 +198,14 @@ def spread_fp4_weight(experts: int, n: int, k: int, device: torch.device) -> tup
     return codes.view(torch.int8), scales
 
 
-def test_prefill_gemm_sums_are_the_products_within_wgmma_precision(cuda):
-    """moe_prefill_fp4 alone (sm_90a): gate and up of 564 pairs of three experts against the float64
+@pytest.mark.parametrize(
+    "n, k, mats",
+    [(INTER, D, 2), (INTER // 2, D, 2), (D, INTER // 2, 1)],
+    ids=["gate and up", "a TP=2 rank's gate and up", "a TP=2 rank's down"],
+)
+def test_prefill_gemm_sums_are_the_products_within_wgmma_precision(cuda, n, k, mats):
+    """moe_prefill_fp4 alone (sm_90a): gate and up (or one matrix: a tensor-parallel rank's down,
+    K = 1024) of 564 pairs of three experts against the float64
     sums of the same products (the act-quantised activations and the dequantised FP4 weights).
     Expert 0 has 300 pairs (tiles of 128, 128 and 44: the m64n64 steps), expert 3 64, expert 5 200
     (128 and 72: a partial m64n128 tile); the other experts none. The four k-steps of a chunk are
@@ -212,26 +218,26 @@ def test_prefill_gemm_sums_are_the_products_within_wgmma_precision(cuda):
 
     if device_arch(cuda) != "sm_90a":
         pytest.skip("wgmma is sm_90a's")
-    mats = [spread_fp4_weight(EXPERTS, INTER, D, cuda) for _ in range(2)]
+    mats = [spread_fp4_weight(EXPERTS, n, k, cuda) for _ in range(mats)]
     assert all(chunk_exponents_fit(w, s) for w, s in mats)
     runs = {0: 300, 3: 64, 5: 200}
     bounds = [0]
     for e in range(EXPERTS):
         bounds.append(bounds[-1] + runs.get(e, 0))
     pairs = bounds[-1]
-    x = random_activations(pairs, D, cuda)
+    x = random_activations(pairs, k, cuda)
     xq, sx = act_quant(x)
-    gate_up = torch.full((pairs, 2 * INTER), float("nan"), dtype=torch.float32, device=cuda)
+    gate_up = torch.full((pairs, len(mats) * n), float("nan"), dtype=torch.float32, device=cuda)
     tiles = prefill_tiles(bounds, cuda)
     Moe.prefill_gemm(tuple((permute_fp4(w), s) for w, s in mats), prefill_images(xq, sx, None, tiles), tiles, gate_up)
-    xd = (xq.double().view(pairs, D // 128, 128) * sx.double().unsqueeze(-1)).view(pairs, D)
+    xd = (xq.double().view(pairs, k // 128, 128) * sx.double().unsqueeze(-1)).view(pairs, k)
     worst = 0.0
-    for e, n in runs.items():
-        rows = slice(bounds[e], bounds[e] + n)
+    for e, count in runs.items():
+        rows = slice(bounds[e], bounds[e] + count)
         w = torch.cat([quant.dequant_fp4_weight(w[e], s[e].view(torch.float8_e8m0fnu)) for w, s in mats]).double()
         exact, mag = xd[rows] @ w.t(), xd[rows].abs() @ w.abs().t()
         worst = max(worst, float(((gate_up[rows].double() - exact).abs() / mag.clamp_min(1e-30)).max()))
-    print(f"\n  moe_prefill_fp4, gate and up of {pairs} pairs: worst error {worst:.2e} of the sum of |products|")
+    print(f"\n  moe_prefill_fp4, {len(mats)} x [{n}, {k}] of {pairs} pairs: worst error {worst:.2e} of the sum of |products|")
     assert worst < 1e-3
 
 
