@@ -51,7 +51,6 @@ one slot). This module talks to a single Redis (or a Sentinel-managed primary) t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import uuid
@@ -728,8 +727,4 @@ class OwnershipDirectory:
                             msg = {"raw": msg}
                         yield {**msg, "id": sid}
         finally:
-            # Bounded: a connection cancelled in the middle of its blocking read may never finish
-            # closing, and a watcher told to stop must stop.
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(max(1.0, self.op_timeout)):
-                    await client.aclose()
+            await client.aclose()
