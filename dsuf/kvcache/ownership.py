@@ -705,13 +705,11 @@ class OwnershipDirectory:
                 try:
                     async with asyncio.timeout(deadline):
                         if last_id == "$":
-                            tail = await _cancellable(client.xrevrange(self.keys.log, "+", "-", count=1))
+                            tail = await client.xrevrange(self.keys.log, "+", "-", count=1)
                             last_id = tail[0][0] if tail else "0-0"
-                        resp = await _cancellable(client.xread({self.keys.log: last_id}, count=count, block=block_ms))
+                        resp = await client.xread({self.keys.log: last_id}, count=count, block=block_ms)
                     delay = 0.05
                 except (RedisError, OSError) as e:  # TimeoutError included
-                    if _being_cancelled():  # (a cancellation that met the deadline comes out as TimeoutError on 3.11)
-                        raise asyncio.CancelledError from e
                     log.info("kv watch: %s; retrying from %s", e, last_id)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 1.0)
