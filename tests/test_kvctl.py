@@ -180,6 +180,9 @@ class Watcher:
         self.proc = subprocess.Popen(
             [sys.executable, str(KVCTL), "--redis", url, *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            # As in a terminal: a suite run in the background (`pytest &`) ignores SIGINT, and so
+            # would its children.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
         self.err: queue.Queue[str] = queue.Queue()
         self.err_lines: list[str] = []
