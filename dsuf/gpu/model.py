@@ -17,9 +17,10 @@ matmuls on the tensor cores over bf16 weight copies (dense.py), its KV through t
 scratch entries, its compressors' groups in parallel (layer.py).
 
 Speculative decoding (dsuf.model.speculative): `verify_batch` feeds a sequence's token and its MTP
-draft as two rows of one step, `take_back` forgets a rejected draft's row, and `mtp_forward` runs
-the MTP layer (a window-only block with its own cache; a decode step's one or two rows replay a
-graph) for the next draft.
+draft as two rows of one step (with `ahead`, both still on the device: the worker's look-ahead),
+`take_back` forgets a rejected draft's row (or a look-ahead's two), and `mtp_forward` runs the MTP
+layer (a window-only block with its own cache; a decode step's one or two rows replay a graph)
+for the next draft.
 """
 
 from __future__ import annotations
