@@ -241,7 +241,9 @@ class V4Model(ReferenceModel):
 
     def take_back(self, state: SequenceState, undo: object) -> SequenceState:
         """The state to go on with once a verified draft is rejected (or a look-ahead retracted):
-        the copy from before it."""
+        the copy from before it, with the MTP layer's state as it is now (verify_batch never
+        moves it; a draft made since did)."""
+        undo.mtp = state.mtp  # type: ignore[attr-defined]
         return undo  # type: ignore[return-value]
 
     @torch.inference_mode()

@@ -142,7 +142,7 @@ class Worker:
         """Run the step with MTP drafts (dsuf.model.speculative): every work's tokens, and each
         decoding sequence's draft after them, in one verify_batch (or found fed ahead); a sequence
         whose sampled token is its draft samples one more from the logits after it, the others
-        take the draft's row back. The MTP layer then drafts each sequence's next, and with the
+        take the draft's row back (once the MTP layer's next draft is queued). With the
         look-ahead the next verify step is queued before the tokens are read. Every rank of a
         tensor-parallel model runs this alike (the same logits and seeds give the same tokens);
         only the leader reports. Returns the outputs and the snapshots (made before any look-ahead)."""
@@ -156,17 +156,20 @@ class Worker:
                 draws: list[Draw] = []
                 drafted = v is not None and v.undo is not None  # (a model may feed no draft where there is no room)
                 rows = v.streams[: v.streams.shape[0] - drafted] if v else None
+                rejected = False
                 if w.sample:
                     draws.append(self.samplers[seq].draw(v.logits[0]))
                     if drafted and draws[0].choice().token == int(draft):
                         draws.append(self.samplers[seq].draw(v.logits[1]))
                         rows, tokens = v.streams, tokens + [int(draft)]
-                    elif drafted:
-                        self.states[seq] = self.model.take_back(self.states[seq], v.undo)
+                    else:
+                        rejected = drafted
                 if rows is not None:
                     nxt = self.drafters[seq].fed(rows, start, tokens, self.states[seq], [draws[-1].token] if draws else [])
                     if nxt is not None:
                         self.drafts[seq] = nxt
+                if rejected:  # after the next draft is queued (the MTP layer never saw the row): its launches overlap the draft
+                    self.states[seq] = self.model.take_back(self.states[seq], v.undo)
                 if draws:
                     picked.append((seq, draws))
                 else:
