@@ -249,66 +249,66 @@ DSUF_DEVICE u32 order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Exclusive prefix count of `flag` over the block (thread order) and the block's total.
-DSUF_DEVICE int block_rank(bool flag, int* warp_sums, int& total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const u32 ballot = __ballot_sync(0xffffffffu, flag);
-  if (lane == 0) warp_sums[warp] = __popc(ballot);
-  __syncthreads();
-  if (warp == 0) {
-    const int v = warp_sums[lane];
-    int incl = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int u = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += u;
-    }
-    warp_sums[32 + lane] = incl - v;
-    if (lane == 31) warp_sums[64] = incl;
-  }
-  __syncthreads();
-  const int rank = warp_sums[32 + warp] + __popc(ballot & ((1u << lane) - 1));
-  total = warp_sums[64];
-  __syncthreads();  // warp_sums is reused by the next call
-  return rank;
-}
+#define TOPK_UNROLL 16  // keys a thread has in flight in a pass over the row
 
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_select(const __grid_constant__ TopkParams p) {
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const __grid_constant__ TopkParams p) {
   pdl_begin();
   extern __shared__ u32 cached[];
   __shared__ int hist[256];
-  __shared__ int warp_sums[65];
+  __shared__ int warp_gt[TOPK_THREADS / 32], warp_eq[TOPK_THREADS / 32], warp_at[TOPK_THREADS / 32], warp_eq_before[TOPK_THREADS / 32];
   __shared__ u32 pick_bin;
   __shared__ int pick_above;
-  const int row = blockIdx.x, tid = threadIdx.x;
+  const int row = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int n = p.n_keys[row];
   const int kk = min(p.k, n);
   const float* scores = p.scores + (i64)row * p.stride;
   int* out = p.out + (i64)row * p.out_stride + p.out_col;
   const int add = p.offset ? p.offset[row] : 0;
   const bool in_smem = n <= p.cache;
+  auto key_at = [&](int i) { return in_smem && kk < n ? cached[i] : order_key(scores[i]); };
 
   for (int i = kk + tid; i < p.k; i += TOPK_THREADS) out[i] = -1;
   if (kk == 0) return;
 
   // Radix select of the kk-th largest key: `prefix` holds its bits found so far (under `mask`),
-  // `need` how many keys sharing that prefix still belong to the top kk.
-  // (kk == n: every key is taken, no search.)
+  // `need` how many keys sharing that prefix still belong to the top kk. A pass keeps
+  // TOPK_UNROLL keys a thread in flight, and a thread counts a run of keys of one bin before it
+  // adds the run to the histogram (bf16 scores crowd into a few bins of the top byte: an atomic
+  // a key would serialise on them). (kk == n: every key is taken, no search.)
   u32 prefix = 0, mask = 0;
   int need = kk;
   for (int shift = 24; shift >= 0 && kk < n; shift -= 8) {
     for (int i = tid; i < 256; i += TOPK_THREADS) hist[i] = 0;
     __syncthreads();
-    for (int i = tid; i < n; i += TOPK_THREADS) {
-      u32 key;
-      if (shift == 24) {
-        key = order_key(scores[i]);
-        if (in_smem) cached[i] = key;
-      } else {
-        key = in_smem ? cached[i] : order_key(scores[i]);
+    int run_bin = 256, run = 0;  // the run of keys this thread has counted, not yet added
+    for (int c = tid; c < n; c += TOPK_UNROLL * TOPK_THREADS) {
+      u32 keys[TOPK_UNROLL];
+#pragma unroll
+      for (int u = 0; u < TOPK_UNROLL; ++u) {
+        const int i = c + u * TOPK_THREADS;
+        keys[u] = 0;
+        if (i < n) {
+          if (shift == 24) {
+            keys[u] = order_key(scores[i]);
+            if (in_smem) cached[i] = keys[u];
+          } else {
+            keys[u] = in_smem ? cached[i] : order_key(scores[i]);
+          }
+        }
       }
-      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xff], 1);
+#pragma unroll
+      for (int u = 0; u < TOPK_UNROLL; ++u) {
+        const int i = c + u * TOPK_THREADS;
+        if (i >= n || (keys[u] & mask) != prefix) continue;
+        const int bin = (keys[u] >> shift) & 0xff;
+        if (bin != run_bin) {
+          if (run) atomicAdd(&hist[run_bin], run);
+          run_bin = bin, run = 0;
+        }
+        ++run;
+      }
     }
+    if (run) atomicAdd(&hist[run_bin], run);
     __syncthreads();
     if (tid < 32) {  // lane L scans bins 255 - 8L down to 248 - 8L; suffix sums across lanes
       int local = 0;
@@ -341,20 +341,50 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_select(const __g
   }
 
   // prefix is now the kk-th largest key: take every larger key and the first `need` equal ones,
-  // in index order.
-  int taken = 0, equal_seen = 0;
-  for (int c = 0; c < n; c += TOPK_THREADS) {
-    const int i = c + tid;
-    u32 key = 0;
-    if (i < n) key = in_smem && kk < n ? cached[i] : order_key(scores[i]);
-    const bool eq = i < n && key == prefix;
-    int eq_total;
-    const int eq_rank = equal_seen + block_rank(eq, warp_sums, eq_total);
-    const bool take = i < n && (key > prefix || (eq && eq_rank < need));
-    int take_total;
-    const int at = taken + block_rank(take, warp_sums, take_total);
-    if (take) out[at] = i + add;
-    taken += take_total;
-    equal_seen += eq_total;
+  // in index order. Warp w owns keys [w * seg, (w + 1) * seg): it counts its larger and equal
+  // keys, the warps' counts are scanned once, then each warp writes its picks in order (ballots).
+  const int seg = ((n + TOPK_THREADS - 1) / TOPK_THREADS) * 32, lo = warp * seg, hi = min(n, lo + seg);
+  int gt = 0, eq = 0;
+  for (int j = lo; j < hi; j += 32 * TOPK_UNROLL) {
+    u32 keys[TOPK_UNROLL];
+#pragma unroll
+    for (int u = 0; u < TOPK_UNROLL; ++u) keys[u] = j + 32 * u + lane < hi ? key_at(j + 32 * u + lane) : 0;
+#pragma unroll
+    for (int u = 0; u < TOPK_UNROLL; ++u) {
+      const bool in = j + 32 * u + lane < hi;
+      gt += in && keys[u] > prefix;
+      eq += in && keys[u] == prefix;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) gt += __shfl_xor_sync(0xffffffffu, gt, o), eq += __shfl_xor_sync(0xffffffffu, eq, o);
+  if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
+  __syncthreads();
+  if (tid == 0) {  // each warp's first output slot and the equal keys before its segment
+    int at = 0, eq_before = 0;
+    for (int w = 0; w < TOPK_THREADS / 32; ++w) {
+      warp_at[w] = at, warp_eq_before[w] = eq_before;
+      at += warp_gt[w] + max(0, min(warp_eq[w], need - eq_before));
+      eq_before += warp_eq[w];
+    }
+  }
+  __syncthreads();
+  int at = warp_at[warp], eq_seen = warp_eq_before[warp];
+  const u32 below = (1u << lane) - 1;
+  for (int j = lo; j < hi; j += 32 * TOPK_UNROLL) {
+    u32 keys[TOPK_UNROLL];
+#pragma unroll
+    for (int u = 0; u < TOPK_UNROLL; ++u) keys[u] = j + 32 * u + lane < hi ? key_at(j + 32 * u + lane) : 0;
+#pragma unroll
+    for (int u = 0; u < TOPK_UNROLL; ++u) {
+      const int i = j + 32 * u + lane;
+      const bool is_eq = i < hi && keys[u] == prefix;
+      const u32 eqs = __ballot_sync(0xffffffffu, is_eq);
+      const bool take = i < hi && (keys[u] > prefix || (is_eq && eq_seen + __popc(eqs & below) < need));
+      const u32 takes = __ballot_sync(0xffffffffu, take);
+      if (take) out[at + __popc(takes & below)] = i + add;
+      at += __popc(takes);
+      eq_seen += __popc(eqs);
+    }
   }
 }
