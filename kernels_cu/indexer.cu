@@ -344,11 +344,14 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
   // in index order. Warp w owns keys [w * seg, (w + 1) * seg): it counts its larger and equal
   // keys, the warps' counts are scanned once, then each warp writes its picks in order (ballots).
   const int seg = ((n + TOPK_THREADS - 1) / TOPK_THREADS) * 32, lo = warp * seg, hi = min(n, lo + seg);
+  auto segment_keys = [&](u32 (&keys)[TOPK_UNROLL], int j) {  // the warp's keys j .., 32 a row of keys
+#pragma unroll
+    for (int u = 0; u < TOPK_UNROLL; ++u) keys[u] = j + 32 * u + lane < hi ? key_at(j + 32 * u + lane) : 0;
+  };
   int gt = 0, eq = 0;
   for (int j = lo; j < hi; j += 32 * TOPK_UNROLL) {
     u32 keys[TOPK_UNROLL];
-#pragma unroll
-    for (int u = 0; u < TOPK_UNROLL; ++u) keys[u] = j + 32 * u + lane < hi ? key_at(j + 32 * u + lane) : 0;
+    segment_keys(keys, j);
 #pragma unroll
     for (int u = 0; u < TOPK_UNROLL; ++u) {
       const bool in = j + 32 * u + lane < hi;
@@ -373,8 +376,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
   const u32 below = (1u << lane) - 1;
   for (int j = lo; j < hi; j += 32 * TOPK_UNROLL) {
     u32 keys[TOPK_UNROLL];
-#pragma unroll
-    for (int u = 0; u < TOPK_UNROLL; ++u) keys[u] = j + 32 * u + lane < hi ? key_at(j + 32 * u + lane) : 0;
+    segment_keys(keys, j);
 #pragma unroll
     for (int u = 0; u < TOPK_UNROLL; ++u) {
       const int i = j + 32 * u + lane;
