@@ -75,6 +75,19 @@ def test_a_draft_needs_only_the_last_window_of_rows(model):
     assert int(got) == want and torch.equal(state.mtp[0].window, every.mtp[0].window)
 
 
+def test_taking_a_draft_back_keeps_the_mtp_layers_state(model):
+    """The worker drafts the next token before it takes a rejected draft's row back (the MTP
+    layer never saw that row): take_back restores the main model's state, not the MTP layer's."""
+    state = model.new_state(EXACT)
+    logits, streams = model.forward(PROMPT, state, EXACT, return_streams=True)
+    chosen = int(logits[-1].argmax())
+    (v,) = model.verify_batch([(torch.tensor([chosen]), state, (chosen + 1) % model.config.vocab_size)], EXACT)
+    model.mtp_forward(v.streams[:1], torch.tensor([chosen]), PROMPT.shape[0], state, EXACT)  # the next draft, from the kept row
+    drafted = state.mtp[0].window.clone()
+    back = model.take_back(state, v.undo)
+    assert back.pos == PROMPT.shape[0] + 1 and torch.equal(back.mtp[0].window, drafted)
+
+
 @pytest.mark.parametrize("lookahead", [False, True])
 def test_every_rank_speculates_alike_and_only_the_leader_reports(model, lookahead):
     """The ranks of a tensor-parallel model each run the speculative step (their MTP layers meet in
