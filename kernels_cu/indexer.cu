@@ -19,7 +19,10 @@
 // index (the reference's stable descending sort), written in ascending index order plus an offset
 // (a pool entry); slots past min(k, n) get -1. Radix select on order-preserving 32-bit keys, 8 bits
 // a round, then one pass in index order. One CTA of 1024 threads per row; the row's keys are
-// staged in shared memory when they fit.
+// staged in shared memory when they fit. A long row (1M context: 262,144 keys) takes two passes:
+// CTAs of slices of the row each pick their slice's top k, then one CTA picks the top k of those
+// (the top k of the union of the slices' top k: a key the row takes is among its slice's, ties
+// included, since a slice keeps its lowest indices first).
 #include "cache_entries.cuh"
 
 #define IDX_HEADS 64
@@ -237,9 +240,12 @@ struct TopkParams {
   const float* scores;   // [rows, stride]
   const int* n_keys;     // [rows] candidates of each row: its first n scores
   const int* offset;     // [rows] added to every index written, or null
-  int* out;              // [rows, out_stride], written at columns [out_col, out_col + k)
+  int* out;              // [rows, out_stride], written at columns [out_col, out_col + k) (+ k * slice number)
   int stride, out_stride, out_col, k;
   int cache;             // scores a row may stage in shared memory (dynamic smem / 4)
+  int slice;             // > 0: CTA (row, s) takes the row's scores [s * slice, +slice) only (the first pass of a long row)
+  const int* cand;       // or null: the keys are scores[cand[row, i]], i < cand_stride (-1: none; the second pass)
+  int cand_stride;
 };
 
 // Order-preserving key of a float: larger float, larger key; -0 counts as +0.
@@ -251,6 +257,24 @@ DSUF_DEVICE u32 order_key(float f) {
 
 #define TOPK_UNROLL 16  // keys a thread has in flight in a pass over the row
 
+// keys[u] = the key of index base + u * step (clamped to limit - 1: the caller ignores those past
+// it), from the staged keys or from the scores (through cand: a first pass's picks, -1 none, below
+// every key). No branch between the loads: all are in flight before the first is used.
+template <bool STAGED>
+DSUF_DEVICE void load_keys(u32 (&keys)[TOPK_UNROLL], const float* scores, const u32* cached, const int* cand, int base, int step, int limit) {
+  int at[TOPK_UNROLL];
+#pragma unroll
+  for (int u = 0; u < TOPK_UNROLL; ++u) {
+    const int i = min(base + u * step, limit - 1);
+    at[u] = !STAGED && cand ? __ldg(cand + i) : i;
+  }
+#pragma unroll
+  for (int u = 0; u < TOPK_UNROLL; ++u) {
+    const u32 key = STAGED ? cached[at[u]] : order_key(__ldg(scores + max(at[u], 0)));
+    keys[u] = at[u] < 0 ? 0u : key;
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const __grid_constant__ TopkParams p) {
   pdl_begin();
   extern __shared__ u32 cached[];
@@ -259,13 +283,19 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
   __shared__ u32 pick_bin;
   __shared__ int pick_above;
   const int row = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int n = p.n_keys[row];
-  const int kk = min(p.k, n);
+  // The keys of this CTA: a row's first n scores; with p.slice, slice blockIdx.y of them (its picks
+  // go to the slice's k columns); with p.cand, the scores a first pass picked (in index order).
+  const int first = p.slice ? blockIdx.y * p.slice : 0;
+  const int* cand = p.cand ? p.cand + (i64)row * p.cand_stride : nullptr;
+  const int row_n = p.n_keys[row];
+  const int n = cand ? p.cand_stride : p.slice ? max(0, min(p.slice, row_n - first)) : row_n;
+  const int kk = min(p.k, cand ? row_n : n);
   const float* scores = p.scores + (i64)row * p.stride;
-  int* out = p.out + (i64)row * p.out_stride + p.out_col;
+  int* out = p.out + (i64)row * p.out_stride + p.out_col + blockIdx.y * p.k;
   const int add = p.offset ? p.offset[row] : 0;
   const bool in_smem = n <= p.cache;
-  auto key_at = [&](int i) { return in_smem && kk < n ? cached[i] : order_key(scores[i]); };
+  const float* keys_from = scores + first;  // (first is 0 with cand: cand indexes the whole row)
+  auto index_of = [&](int i) { return cand ? cand[i] : first + i; };
 
   for (int i = kk + tid; i < p.k; i += TOPK_THREADS) out[i] = -1;
   if (kk == 0) return;
@@ -283,17 +313,14 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
     int run_bin = 256, run = 0;  // the run of keys this thread has counted, not yet added
     for (int c = tid; c < n; c += TOPK_UNROLL * TOPK_THREADS) {
       u32 keys[TOPK_UNROLL];
+      if (in_smem && shift < 24) {
+        load_keys<true>(keys, keys_from, cached, cand, c, TOPK_THREADS, n);
+      } else {
+        load_keys<false>(keys, keys_from, cached, cand, c, TOPK_THREADS, n);
+        if (in_smem) {  // (the first round stages them)
 #pragma unroll
-      for (int u = 0; u < TOPK_UNROLL; ++u) {
-        const int i = c + u * TOPK_THREADS;
-        keys[u] = 0;
-        if (i < n) {
-          if (shift == 24) {
-            keys[u] = order_key(scores[i]);
-            if (in_smem) cached[i] = keys[u];
-          } else {
-            keys[u] = in_smem ? cached[i] : order_key(scores[i]);
-          }
+          for (int u = 0; u < TOPK_UNROLL; ++u)
+            if (c + u * TOPK_THREADS < n) cached[c + u * TOPK_THREADS] = keys[u];
         }
       }
 #pragma unroll
@@ -344,9 +371,13 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
   // in index order. Warp w owns keys [w * seg, (w + 1) * seg): it counts its larger and equal
   // keys, the warps' counts are scanned once, then each warp writes its picks in order (ballots).
   const int seg = ((n + TOPK_THREADS - 1) / TOPK_THREADS) * 32, lo = warp * seg, hi = min(n, lo + seg);
-  auto segment_keys = [&](u32 (&keys)[TOPK_UNROLL], int j) {  // the warp's keys j .., 32 a row of keys
-#pragma unroll
-    for (int u = 0; u < TOPK_UNROLL; ++u) keys[u] = j + 32 * u + lane < hi ? key_at(j + 32 * u + lane) : 0;
+  const bool staged = in_smem && kk < n;
+  auto segment_keys = [&](u32 (&keys)[TOPK_UNROLL], int j) {
+    if (staged) {
+      load_keys<true>(keys, keys_from, cached, cand, j + lane, 32, hi);
+    } else {
+      load_keys<false>(keys, keys_from, cached, cand, j + lane, 32, hi);
+    }
   };
   int gt = 0, eq = 0;
   for (int j = lo; j < hi; j += 32 * TOPK_UNROLL) {
@@ -384,7 +415,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
       const u32 eqs = __ballot_sync(0xffffffffu, is_eq);
       const bool take = i < hi && (keys[u] > prefix || (is_eq && eq_seen + __popc(eqs & below) < need));
       const u32 takes = __ballot_sync(0xffffffffu, take);
-      if (take) out[at + __popc(takes & below)] = i + add;
+      if (take) out[at + __popc(takes & below)] = index_of(i) + add;
       at += __popc(takes);
       eq_seen += __popc(eqs);
     }

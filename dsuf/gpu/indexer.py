@@ -18,6 +18,7 @@ import torch
 
 from dsuf.model import quant
 
+from .linear import sm_count
 from .runtime import get_kernel, ptr
 
 INDEX_ENTRY_BYTES = 68
@@ -26,6 +27,7 @@ INDEX_DIM = 128
 FP4_BLOCK = 32
 TOPK_THREADS = 1024
 TOPK_SHARED_MAX = 192 << 10  # scores a top-k CTA stages in shared memory: up to 48k per row
+TOPK_SLICE = 16384  # rows longer than a CTA stages are cut into slices of this many keys (a first pass)
 
 
 def _fp4_quant(x: torch.Tensor, q: torch.Tensor | None, q_scale: torch.Tensor | None, pool: torch.Tensor | None, dst: torch.Tensor | None) -> None:
@@ -102,6 +104,9 @@ class TopkParams(ctypes.Structure):
         ("out_col", ctypes.c_int),
         ("k", ctypes.c_int),
         ("cache", ctypes.c_int),
+        ("slice", ctypes.c_int),
+        ("cand", ctypes.c_void_p),
+        ("cand_stride", ctypes.c_int),
     ]
 
 
@@ -167,10 +172,22 @@ def topk_indices(
     for name, t in (("n_keys", n_keys), ("offset", offset)):
         if t is not None and (t.dtype != torch.int32 or tuple(t.shape) != (rows,)):
             raise ValueError(f"topk_indices: {name} must be int32 [{rows}]")
-    cache = min(stride, TOPK_SHARED_MAX // 4)
+    select = get_kernel("indexer", "topk_select", scores.device)
+    cand = None
+    if stride > TOPK_SHARED_MAX // 4 and rows < sm_count(scores.device):
+        # Long rows, few of them (decode at long context): each slice's top k first (a CTA a slice), then theirs.
+        slices = math.ceil(stride / TOPK_SLICE)
+        cand = torch.empty((rows, slices * k), dtype=torch.int32, device=scores.device)
+        first = TopkParams()
+        first.scores, first.n_keys, first.out = scores.data_ptr(), n_keys.data_ptr(), cand.data_ptr()
+        first.stride, first.out_stride, first.out_col, first.k, first.cache, first.slice = stride, cand.stride(0), 0, k, TOPK_SLICE, TOPK_SLICE
+        select((rows, slices, 1), TOPK_THREADS, [first], shared=4 * TOPK_SLICE)
     p = TopkParams()
     p.scores, p.n_keys, p.out = scores.data_ptr(), n_keys.data_ptr(), out.data_ptr()
     p.offset = offset.data_ptr() if offset is not None else 0
-    p.stride, p.out_stride, p.out_col, p.k, p.cache = stride, out.stride(0), out_col, k, cache
-    get_kernel("indexer", "topk_select", scores.device)((rows, 1, 1), TOPK_THREADS, [p], shared=4 * cache)
+    p.stride, p.out_stride, p.out_col, p.k = stride, out.stride(0), out_col, k
+    if cand is not None:
+        p.cand, p.cand_stride = cand.data_ptr(), cand.shape[1]
+    p.cache = min(cand.shape[1] if cand is not None else stride, TOPK_SHARED_MAX // 4)
+    select((rows, 1, 1), TOPK_THREADS, [p], shared=4 * p.cache)
     return out

@@ -111,7 +111,7 @@ def test_index_scores_form_the_head_weights_from_the_raw_projection(cuda):
     assert raw.stride(0) == 3 * HEADS and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("n_keys", [[100], [4096], [16384, 300, 16000], [60000], [262144, 1000]])
+@pytest.mark.parametrize("n_keys", [[100], [4096], [16384, 300, 16000], [60000], [262144, 1000], [131072, 300, 0]])
 @pytest.mark.parametrize("ties", [False, True])
 def test_topk(cuda, n_keys, ties):
     rows, stride = len(n_keys), max(n_keys)
