@@ -255,23 +255,30 @@ DSUF_DEVICE u32 order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-#define TOPK_UNROLL 16  // keys a thread has in flight in a pass over the row
+#define TOPK_UNROLL 16  // keys a thread has in flight in a pass over a long row
 
-// keys[u] = the key of index base + u * step (clamped to limit - 1: the caller ignores those past
-// it), from the staged keys or from the scores (through cand: a first pass's picks, -1 none, below
-// every key). No branch between the loads: all are in flight before the first is used.
+// body(m, at) over at = start, start + TOPK_UNROLL * step, .. < limit, m = the positions at,
+// at + step, .. below limit that a call takes (at most TOPK_UNROLL, their loads in flight
+// together): the work follows the row's length, not a fixed TOPK_UNROLL x TOPK_THREADS. m is
+// warp-uniform where start and limit are.
+template <class Body>
+DSUF_DEVICE void in_groups(int start, int step, int limit, Body body) {
+  for (int at = start; at < limit; at += TOPK_UNROLL * step) body(min(TOPK_UNROLL, (limit - at + step - 1) / step), at);
+}
+
+// keys[u] = the key of index base + u * step for u < m (0 for the others), from the staged keys or
+// from the scores (through cand: a first pass's picks, -1 none, below every key). No branch between
+// the loads: all are in flight before the first is used.
 template <bool STAGED>
-DSUF_DEVICE void load_keys(u32 (&keys)[TOPK_UNROLL], const float* scores, const u32* cached, const int* cand, int base, int step, int limit) {
+DSUF_DEVICE void load_keys(u32 (&keys)[TOPK_UNROLL], int m, const float* scores, const u32* cached, const int* cand, int base, int step) {
   int at[TOPK_UNROLL];
 #pragma unroll
-  for (int u = 0; u < TOPK_UNROLL; ++u) {
-    const int i = min(base + u * step, limit - 1);
-    at[u] = !STAGED && cand ? __ldg(cand + i) : i;
-  }
+  for (int u = 0; u < TOPK_UNROLL; ++u) at[u] = u < m && !STAGED && cand ? __ldg(cand + base + u * step) : base + u * step;
 #pragma unroll
   for (int u = 0; u < TOPK_UNROLL; ++u) {
-    const u32 key = STAGED ? cached[at[u]] : order_key(__ldg(scores + max(at[u], 0)));
-    keys[u] = at[u] < 0 ? 0u : key;
+    u32 key = 0;
+    if (u < m && at[u] >= 0) key = STAGED ? cached[at[u]] : order_key(__ldg(scores + at[u]));
+    keys[u] = key;
   }
 }
 
@@ -281,7 +288,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
   __shared__ int hist[256];
   __shared__ int warp_gt[TOPK_THREADS / 32], warp_eq[TOPK_THREADS / 32], warp_at[TOPK_THREADS / 32], warp_eq_before[TOPK_THREADS / 32];
   __shared__ u32 pick_bin;
-  __shared__ int pick_above;
+  __shared__ int pick_above, pick_all;
   const int row = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // The keys of this CTA: a row's first n scores; with p.slice, slice blockIdx.y of them (its picks
   // go to the slice's k columns); with p.cand, the scores a first pass picked (in index order).
@@ -301,32 +308,32 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
   if (kk == 0) return;
 
   // Radix select of the kk-th largest key: `prefix` holds its bits found so far (under `mask`),
-  // `need` how many keys sharing that prefix still belong to the top kk. A pass keeps
-  // TOPK_UNROLL keys a thread in flight, and a thread counts a run of keys of one bin before it
-  // adds the run to the histogram (bf16 scores crowd into a few bins of the top byte: an atomic
-  // a key would serialise on them). (kk == n: every key is taken, no search.)
+  // `need` how many keys sharing that prefix still belong to the top kk; done early when the bin
+  // picked holds exactly those. A thread counts a run of keys of one bin before it adds the run
+  // to the histogram (bf16 scores crowd into a few bins of the top byte: an atomic a key would
+  // serialise on them). (kk == n: every key is taken, no search.)
   u32 prefix = 0, mask = 0;
   int need = kk;
   for (int shift = 24; shift >= 0 && kk < n; shift -= 8) {
     for (int i = tid; i < 256; i += TOPK_THREADS) hist[i] = 0;
     __syncthreads();
     int run_bin = 256, run = 0;  // the run of keys this thread has counted, not yet added
-    for (int c = tid; c < n; c += TOPK_UNROLL * TOPK_THREADS) {
+    in_groups(tid, TOPK_THREADS, n, [&](int m, int c) {
       u32 keys[TOPK_UNROLL];
       if (in_smem && shift < 24) {
-        load_keys<true>(keys, keys_from, cached, cand, c, TOPK_THREADS, n);
+        load_keys<true>(keys, m, keys_from, cached, cand, c, TOPK_THREADS);
       } else {
-        load_keys<false>(keys, keys_from, cached, cand, c, TOPK_THREADS, n);
+        load_keys<false>(keys, m, keys_from, cached, cand, c, TOPK_THREADS);
         if (in_smem) {  // (the first round stages them)
 #pragma unroll
           for (int u = 0; u < TOPK_UNROLL; ++u)
-            if (c + u * TOPK_THREADS < n) cached[c + u * TOPK_THREADS] = keys[u];
+            if (u < m) cached[c + u * TOPK_THREADS] = keys[u];
         }
       }
 #pragma unroll
       for (int u = 0; u < TOPK_UNROLL; ++u) {
-        const int i = c + u * TOPK_THREADS;
-        if (i >= n || (keys[u] & mask) != prefix) continue;
+        if (u >= m) break;
+        if ((keys[u] & mask) != prefix) continue;
         const int bin = (keys[u] >> shift) & 0xff;
         if (bin != run_bin) {
           if (run) atomicAdd(&hist[run_bin], run);
@@ -334,7 +341,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
         }
         ++run;
       }
-    }
+    });
     if (run) atomicAdd(&hist[run_bin], run);
     __syncthreads();
     if (tid < 32) {  // lane L scans bins 255 - 8L down to 248 - 8L; suffix sums across lanes
@@ -354,6 +361,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
           if (above + hist[bin] >= need) {
             pick_bin = bin;
             pick_above = above;
+            pick_all = above + hist[bin] == need;
             break;
           }
           above += hist[bin];
@@ -364,32 +372,39 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
     prefix |= pick_bin << shift;
     mask |= 0xffu << shift;
     need -= pick_above;
+    const bool done = pick_all;
     __syncthreads();  // pick_* are rewritten next round
+    if (done) break;
   }
 
-  // prefix is now the kk-th largest key: take every larger key and the first `need` equal ones,
-  // in index order. Warp w owns keys [w * seg, (w + 1) * seg): it counts its larger and equal
-  // keys, the warps' counts are scanned once, then each warp writes its picks in order (ballots).
+  // The keys at or above prefix (under mask) are the top kk: take every larger one and the first
+  // `need` equal ones, in index order. Warp w owns keys [w * seg, (w + 1) * seg): it counts its
+  // larger and equal keys, the warps' counts are scanned once, then each warp writes its picks in
+  // order (ballots).
   const int seg = ((n + TOPK_THREADS - 1) / TOPK_THREADS) * 32, lo = warp * seg, hi = min(n, lo + seg);
   const bool staged = in_smem && kk < n;
-  auto segment_keys = [&](u32 (&keys)[TOPK_UNROLL], int j) {
+  auto segment_keys = [&](u32 (&keys)[TOPK_UNROLL], int m, int j) {  // the warp's keys from j, 32 a slot, masked (0 past hi)
+    const int lane_m = min(m, (hi - j - lane + 31) / 32);
     if (staged) {
-      load_keys<true>(keys, keys_from, cached, cand, j + lane, 32, hi);
+      load_keys<true>(keys, lane_m, keys_from, cached, cand, j + lane, 32);
     } else {
-      load_keys<false>(keys, keys_from, cached, cand, j + lane, 32, hi);
+      load_keys<false>(keys, lane_m, keys_from, cached, cand, j + lane, 32);
     }
+#pragma unroll
+    for (u32& key : keys) key &= mask;
   };
   int gt = 0, eq = 0;
-  for (int j = lo; j < hi; j += 32 * TOPK_UNROLL) {
+  in_groups(lo, 32, hi, [&](int m, int j) {
     u32 keys[TOPK_UNROLL];
-    segment_keys(keys, j);
+    segment_keys(keys, m, j);
 #pragma unroll
     for (int u = 0; u < TOPK_UNROLL; ++u) {
+      if (u >= m) break;
       const bool in = j + 32 * u + lane < hi;
       gt += in && keys[u] > prefix;
       eq += in && keys[u] == prefix;
     }
-  }
+  });
 #pragma unroll
   for (int o = 16; o; o >>= 1) gt += __shfl_xor_sync(0xffffffffu, gt, o), eq += __shfl_xor_sync(0xffffffffu, eq, o);
   if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
@@ -405,11 +420,12 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
   __syncthreads();
   int at = warp_at[warp], eq_seen = warp_eq_before[warp];
   const u32 below = (1u << lane) - 1;
-  for (int j = lo; j < hi; j += 32 * TOPK_UNROLL) {
+  in_groups(lo, 32, hi, [&](int m, int j) {
     u32 keys[TOPK_UNROLL];
-    segment_keys(keys, j);
+    segment_keys(keys, m, j);
 #pragma unroll
     for (int u = 0; u < TOPK_UNROLL; ++u) {
+      if (u >= m) break;
       const int i = j + 32 * u + lane;
       const bool is_eq = i < hi && keys[u] == prefix;
       const u32 eqs = __ballot_sync(0xffffffffu, is_eq);
@@ -419,5 +435,5 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
       at += __popc(takes);
       eq_seen += __popc(eqs);
     }
-  }
+  });
 }
