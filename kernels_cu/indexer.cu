@@ -115,7 +115,7 @@ DSUF_DEVICE void score_keys(const u32 (&wa)[4], const u32 (&wb)[4], u32 sa, u32 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(256) index_scores(const __grid_constant__ IndexParams p) {
+extern "C" __global__ void __launch_bounds__(256, 2) index_scores(const __grid_constant__ IndexParams p) {
   pdl_begin();
   __shared__ double qs_s[IDX_HEADS * 4];  // q scale * 64 (undoes the 2**-6 of the key bytes)
   __shared__ float qf_s[IDX_HEADS * 4];   // the same in float32
