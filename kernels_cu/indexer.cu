@@ -115,6 +115,7 @@ DSUF_DEVICE void score_keys(const u32 (&wa)[4], const u32 (&wb)[4], u32 sa, u32 
   }
 }
 
+// Two CTAs an SM (128 registers, a few spilled): at long context a row's 256 CTAs then run in one wave.
 extern "C" __global__ void __launch_bounds__(256, 2) index_scores(const __grid_constant__ IndexParams p) {
   pdl_begin();
   __shared__ double qs_s[IDX_HEADS * 4];  // q scale * 64 (undoes the 2**-6 of the key bytes)
