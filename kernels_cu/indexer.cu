@@ -10,7 +10,8 @@
 // and summed in float32 where that is exact too (their scales close together, as after the
 // Hadamard rotation: see FAST_SPREAD), else in float64. A lane feeds the mma the bytes it loaded
 // itself: the order of k inside one mma is free as long as A and B agree (as in gemm.cu). grid
-// (key chunks, rows), 8 warps, each warp 16 keys at a time; keys past the row's count get -inf.
+// (CTAs, rows), 8 warps; CTA b takes the row's 128-key blocks b, b + CTAs, .. (the row's keys spread
+// over all CTAs however few there are), each warp 16 keys at a time; keys past the row's count get -inf.
 //
 // fp4_quant_rows: the FP4 fake-quant of queries and keys (see below), as e4m3 values + scales or
 // as 68-byte entries.
@@ -18,7 +19,7 @@
 // topk_select: per row, the indices of the k largest scores among its first n, ties to the lower
 // index (the reference's stable descending sort), written in ascending index order plus an offset
 // (a pool entry); slots past min(k, n) get -1. Radix select on order-preserving 32-bit keys, 8 bits
-// a round, then one pass in index order. One CTA of 1024 threads per row; the row's keys are
+// a round, then one pass in index order. One CTA per row (256 of its threads up to 2048 keys); its keys are
 // staged in shared memory when they fit. A long row (1M context: 262,144 keys) takes two passes:
 // CTAs of slices of the row each pick their slice's top k, then one CTA picks the top k of those
 // (the top k of the union of the slices' top k: a key the row takes is among its slice's, ties
@@ -37,7 +38,6 @@ struct IndexParams {
   const int* n_keys;     // [rows] keys of the row
   float* scores;         // [rows, stride]
   int stride;
-  int chunk;             // keys per CTA, a multiple of 128
   long long w_stride;
   float w_scale;         // head weight = f32(w) * w_scale, or f32(bf16(w)) * w_scale with w_bf16
   int w_bf16;            //   (the reference's weights_proj output is bf16: (128 * 64) ** -0.5 after)
@@ -123,6 +123,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) index_scores(const __grid_c
   __shared__ float w_s[IDX_HEADS];
   __shared__ int q_spread, q_lowest, q_highest, q_pow2;  // over the row's 64 heads: a head's largest exponent spread, the smallest and largest exponent, all powers of two
   const int row = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int n = p.n_keys[row];
+  float* out = p.scores + (i64)row * p.stride;
+  // Keys past the row's count (a prompt's early rows, a long cache's short rows) are -inf without
+  // any products; a CTA with none of the row's keys is done before it loads the queries.
+  for (int lo = blockIdx.x * 128; lo < p.stride; lo += gridDim.x * 128)
+    for (int j = max(lo, n) + threadIdx.x; j < min(p.stride, lo + 128); j += blockDim.x) out[j] = NEG_INF;
+  if (blockIdx.x * 128 >= n) return;
   if (threadIdx.x == 0) q_spread = 0, q_lowest = 255, q_highest = 0, q_pow2 = 1;
   __syncthreads();
   for (int i = threadIdx.x; i < IDX_HEADS * 4; i += blockDim.x) {
@@ -165,13 +172,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) index_scores(const __grid_c
   // all normal float32 values with room to spare.
   const int q_low = q_pow2 ? q_lowest - 127 : -1000, q_high = q_highest - 127, q_width = q_spread;
 
-  const int n = p.n_keys[row];
   const u8* keys = p.keys + (i64)p.key_start[row] * IDX_ENTRY;
-  float* out = p.scores + (i64)row * p.stride;
-  const int lo = blockIdx.x * p.chunk, hi = min(p.stride, lo + p.chunk), live = min(hi, n);
-  // Keys past the row's count (a prompt's early rows see few) are -inf without any products.
-  for (int j = max(lo, n) + threadIdx.x; j < hi; j += blockDim.x) out[j] = NEG_INF;
-  for (int k0 = lo + 16 * warp; k0 < live; k0 += 16 * 8) {
+  for (int k0 = blockIdx.x * 128 + 16 * warp; k0 < n; k0 += gridDim.x * 128) {
     const int ja = k0 + g, jb = k0 + g + 8;
     u32 wa[4] = {0, 0, 0, 0}, wb[4] = {0, 0, 0, 0}, sa = 0x7f7f7f7fu, sb = 0x7f7f7f7fu;
     if (ja < n) {
@@ -202,8 +204,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) index_scores(const __grid_c
     score_b += __shfl_xor_sync(0xffffffffu, score_b, 1);
     score_b += __shfl_xor_sync(0xffffffffu, score_b, 2);
     if (t == 0) {
-      if (ja < live) out[ja] = bf16_round((float)score_a);
-      if (jb < live) out[jb] = bf16_round((float)score_b);
+      if (ja < n) out[ja] = bf16_round((float)score_a);
+      if (jb < n) out[jb] = bf16_round((float)score_b);
     }
   }
 }
@@ -235,8 +237,6 @@ extern "C" __global__ void __launch_bounds__(256) fp4_quant_rows(
 
 // ---- top-k -----------------------------------------------------------------------------------
 
-#define TOPK_THREADS 1024
-
 struct TopkParams {
   const float* scores;   // [rows, stride]
   const int* n_keys;     // [rows] candidates of each row: its first n scores
@@ -247,6 +247,7 @@ struct TopkParams {
   int slice;             // > 0: CTA (row, s) takes the row's scores [s * slice, +slice) only (the first pass of a long row)
   const int* cand;       // or null: the keys are scores[cand[row, i]], i < cand_stride (-1: none; the second pass)
   int cand_stride;
+  int cand_slice;        // with cand: the first pass's slice length (the candidates of slices past the row's keys are skipped)
 };
 
 // Order-preserving key of a float: larger float, larger key; -0 counts as +0.
@@ -260,7 +261,7 @@ DSUF_DEVICE u32 order_key(float f) {
 
 // body(m, at) over at = start, start + TOPK_UNROLL * step, .. < limit, m = the positions at,
 // at + step, .. below limit that a call takes (at most TOPK_UNROLL, their loads in flight
-// together): the work follows the row's length, not a fixed TOPK_UNROLL x TOPK_THREADS. m is
+// together): the work follows the row's length, not a fixed TOPK_UNROLL x the CTA's threads. m is
 // warp-uniform where start and limit are.
 template <class Body>
 DSUF_DEVICE void in_groups(int start, int step, int limit, Body body) {
@@ -283,11 +284,25 @@ DSUF_DEVICE void load_keys(u32 (&keys)[TOPK_UNROLL], int m, const float* scores,
   }
 }
 
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const __grid_constant__ TopkParams p) {
-  pdl_begin();
+// The keys of CTA (row, blockIdx.y): a row's first n scores; with p.slice, slice blockIdx.y of them;
+// with p.cand, the candidates of the row's non-empty slices.
+DSUF_DEVICE int topk_keys(const TopkParams& p, int row_n) {
+  if (p.cand) return min(p.cand_stride, (row_n + p.cand_slice - 1) / p.cand_slice * p.k);
+  return p.slice ? max(0, min(p.slice, row_n - (int)blockIdx.y * p.slice)) : row_n;
+}
+
+// The CTA's first THREADS threads (named barrier 1: the others may have left).
+template <int THREADS>
+DSUF_DEVICE void topk_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
+}
+
+// One CTA of THREADS threads a row (or a slice of one).
+template <int THREADS>
+DSUF_DEVICE void topk_rows(const TopkParams& p) {
   extern __shared__ u32 cached[];
   __shared__ int hist[256];
-  __shared__ int warp_gt[TOPK_THREADS / 32], warp_eq[TOPK_THREADS / 32], warp_at[TOPK_THREADS / 32], warp_eq_before[TOPK_THREADS / 32];
+  __shared__ int warp_gt[THREADS / 32], warp_eq[THREADS / 32], warp_at[THREADS / 32], warp_eq_before[THREADS / 32];
   __shared__ u32 pick_bin;
   __shared__ int pick_above, pick_all;
   const int row = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -296,7 +311,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
   const int first = p.slice ? blockIdx.y * p.slice : 0;
   const int* cand = p.cand ? p.cand + (i64)row * p.cand_stride : nullptr;
   const int row_n = p.n_keys[row];
-  const int n = cand ? p.cand_stride : p.slice ? max(0, min(p.slice, row_n - first)) : row_n;
+  const int n = topk_keys(p, row_n);
   const int kk = min(p.k, cand ? row_n : n);
   const float* scores = p.scores + (i64)row * p.stride;
   int* out = p.out + (i64)row * p.out_stride + p.out_col + blockIdx.y * p.k;
@@ -305,7 +320,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
   const float* keys_from = scores + first;  // (first is 0 with cand: cand indexes the whole row)
   auto index_of = [&](int i) { return cand ? cand[i] : first + i; };
 
-  for (int i = kk + tid; i < p.k; i += TOPK_THREADS) out[i] = -1;
+  for (int i = kk + tid; i < p.k; i += THREADS) out[i] = -1;
   if (kk == 0) return;
 
   // Radix select of the kk-th largest key: `prefix` holds its bits found so far (under `mask`),
@@ -316,19 +331,19 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
   u32 prefix = 0, mask = 0;
   int need = kk;
   for (int shift = 24; shift >= 0 && kk < n; shift -= 8) {
-    for (int i = tid; i < 256; i += TOPK_THREADS) hist[i] = 0;
-    __syncthreads();
+    for (int i = tid; i < 256; i += THREADS) hist[i] = 0;
+    topk_sync<THREADS>();
     int run_bin = 256, run = 0;  // the run of keys this thread has counted, not yet added
-    in_groups(tid, TOPK_THREADS, n, [&](int m, int c) {
+    in_groups(tid, THREADS, n, [&](int m, int c) {
       u32 keys[TOPK_UNROLL];
       if (in_smem && shift < 24) {
-        load_keys<true>(keys, m, keys_from, cached, cand, c, TOPK_THREADS);
+        load_keys<true>(keys, m, keys_from, cached, cand, c, THREADS);
       } else {
-        load_keys<false>(keys, m, keys_from, cached, cand, c, TOPK_THREADS);
+        load_keys<false>(keys, m, keys_from, cached, cand, c, THREADS);
         if (in_smem) {  // (the first round stages them)
 #pragma unroll
           for (int u = 0; u < TOPK_UNROLL; ++u)
-            if (u < m) cached[c + u * TOPK_THREADS] = keys[u];
+            if (u < m) cached[c + u * THREADS] = keys[u];
         }
       }
 #pragma unroll
@@ -344,7 +359,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
       }
     });
     if (run) atomicAdd(&hist[run_bin], run);
-    __syncthreads();
+    topk_sync<THREADS>();
     if (tid < 32) {  // lane L scans bins 255 - 8L down to 248 - 8L; suffix sums across lanes
       int local = 0;
 #pragma unroll
@@ -369,12 +384,12 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
         }
       }
     }
-    __syncthreads();
+    topk_sync<THREADS>();
     prefix |= pick_bin << shift;
     mask |= 0xffu << shift;
     need -= pick_above;
     const bool done = pick_all;
-    __syncthreads();  // pick_* are rewritten next round
+    topk_sync<THREADS>();  // pick_* are rewritten next round
     if (done) break;
   }
 
@@ -382,7 +397,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
   // `need` equal ones, in index order. Warp w owns keys [w * seg, (w + 1) * seg): it counts its
   // larger and equal keys, the warps' counts are scanned once, then each warp writes its picks in
   // order (ballots).
-  const int seg = ((n + TOPK_THREADS - 1) / TOPK_THREADS) * 32, lo = warp * seg, hi = min(n, lo + seg);
+  const int seg = ((n + THREADS - 1) / THREADS) * 32, lo = warp * seg, hi = min(n, lo + seg);
   const bool staged = in_smem && kk < n;
   auto segment_keys = [&](u32 (&keys)[TOPK_UNROLL], int m, int j) {  // the warp's keys from j, 32 a slot, masked (0 past hi)
     const int lane_m = min(m, (hi - j - lane + 31) / 32);
@@ -409,16 +424,16 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
 #pragma unroll
   for (int o = 16; o; o >>= 1) gt += __shfl_xor_sync(0xffffffffu, gt, o), eq += __shfl_xor_sync(0xffffffffu, eq, o);
   if (lane == 0) warp_gt[warp] = gt, warp_eq[warp] = eq;
-  __syncthreads();
+  topk_sync<THREADS>();
   if (tid == 0) {  // each warp's first output slot and the equal keys before its segment
     int at = 0, eq_before = 0;
-    for (int w = 0; w < TOPK_THREADS / 32; ++w) {
+    for (int w = 0; w < THREADS / 32; ++w) {
       warp_at[w] = at, warp_eq_before[w] = eq_before;
       at += warp_gt[w] + max(0, min(warp_eq[w], need - eq_before));
       eq_before += warp_eq[w];
     }
   }
-  __syncthreads();
+  topk_sync<THREADS>();
   int at = warp_at[warp], eq_seen = warp_eq_before[warp];
   const u32 below = (1u << lane) - 1;
   in_groups(lo, 32, hi, [&](int m, int j) {
@@ -437,4 +452,15 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS, 1) topk_select(const 
       eq_seen += __popc(eqs);
     }
   });
+}
+
+// A CTA of 1024 threads; rows (slices, candidate lists) of up to 2048 keys are searched by its first
+// 256 alone: fewer warps to wait for at each of the search's barriers.
+extern "C" __global__ void __launch_bounds__(1024, 1) topk_select(const __grid_constant__ TopkParams p) {
+  pdl_begin();
+  if (topk_keys(p, p.n_keys[blockIdx.x]) > 2048) {
+    topk_rows<1024>(p);
+  } else if (threadIdx.x < 256) {
+    topk_rows<256>(p);
+  }
 }

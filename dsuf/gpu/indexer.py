@@ -84,7 +84,6 @@ class IndexParams(ctypes.Structure):
         ("n_keys", ctypes.c_void_p),
         ("scores", ctypes.c_void_p),
         ("stride", ctypes.c_int),
-        ("chunk", ctypes.c_int),
         ("w_stride", ctypes.c_int64),
         ("w_scale", ctypes.c_float),
         ("w_bf16", ctypes.c_int),
@@ -107,6 +106,7 @@ class TopkParams(ctypes.Structure):
         ("slice", ctypes.c_int),
         ("cand", ctypes.c_void_p),
         ("cand_stride", ctypes.c_int),
+        ("cand_slice", ctypes.c_int),
     ]
 
 
@@ -138,16 +138,16 @@ def index_scores(
         if t.dtype != torch.int32 or tuple(t.shape) != (rows,):
             raise ValueError(f"index_scores: {name} must be int32 [{rows}]")
     scores = torch.empty((rows, max_keys), dtype=torch.float32, device=q.device)
-    chunk = 128 * max(1, min(8, math.ceil(max_keys / (128 * 256))))  # ≥ 256 CTAs a row at long context
+    ctas = min(256, math.ceil(max_keys / 128))  # a row's 128-key blocks go round them: up to 8 a CTA at 1M context
     if weights.dtype != torch.float32 or tuple(weights.shape) != (rows, INDEX_HEADS) or weights.stride(1) != 1:
         weights = weights.float().contiguous()
     q, q_scale = q.contiguous(), q_scale.float().contiguous()
     p = IndexParams()
     p.q, p.q_scale, p.w, p.keys = q.data_ptr(), q_scale.data_ptr(), weights.data_ptr(), keys.data_ptr()
     p.key_start, p.n_keys, p.scores = key_start.data_ptr(), n_keys.data_ptr(), scores.data_ptr()
-    p.stride, p.chunk = max_keys, chunk
+    p.stride = max_keys
     p.w_stride, p.w_scale, p.w_bf16 = weights.stride(0), weight_scale, int(weights_bf16)
-    get_kernel("indexer", "index_scores", q.device)((math.ceil(max_keys / chunk), rows, 1), 256, [p])
+    get_kernel("indexer", "index_scores", q.device)((ctas, rows, 1), 256, [p])
     return scores
 
 
@@ -187,7 +187,7 @@ def topk_indices(
     p.offset = offset.data_ptr() if offset is not None else 0
     p.stride, p.out_stride, p.out_col, p.k = stride, out.stride(0), out_col, k
     if cand is not None:
-        p.cand, p.cand_stride = cand.data_ptr(), cand.shape[1]
+        p.cand, p.cand_stride, p.cand_slice = cand.data_ptr(), cand.shape[1], TOPK_SLICE
     p.cache = min(cand.shape[1] if cand is not None else stride, TOPK_SHARED_MAX // 4)
     select((rows, 1, 1), TOPK_THREADS, [p], shared=4 * p.cache)
     return out

@@ -61,9 +61,11 @@ def test_fp4_quantize_is_the_reference_fake_quant(cuda):
 # Block magnitudes over 10 octaves (the kernel's float64 path: block scales too far apart for exact
 # float32 sums) or 3 (as after the Hadamard rotation: its float32 path), and both in one row.
 @pytest.mark.parametrize("octaves", [10, 3, "3 and 10"])
-@pytest.mark.parametrize("n_keys", [[1000], [4096, 4000, 1, 3000, 4096, 17, 2048, 4095], [16384], [262144]])
-def test_index_scores(cuda, n_keys, octaves):
-    rows, max_keys = len(n_keys), max(n_keys)
+# Rows' key counts, and the row stride where it is longer than the longest row (a cache sized for
+# 1M context holding short rows: their keys spread over all CTAs).
+@pytest.mark.parametrize("n_keys, max_keys", [([1000], 0), ([4096, 4000, 1, 3000, 4096, 17, 2048, 4095], 0), ([16384], 0), ([262144], 0), ([3000, 5], 262144)])
+def test_index_scores(cuda, n_keys, max_keys, octaves):
+    rows, max_keys = len(n_keys), max(max_keys, *n_keys)
     key_octaves = 3 if octaves == "3 and 10" else octaves
     q = fp4_values((rows, HEADS, DIM), cuda, 3 if octaves == "3 and 10" else octaves)
     # weights_proj(x) in bf16 times (128 * 64) ** -0.5 in float32, as the reference forms them.
@@ -111,10 +113,14 @@ def test_index_scores_form_the_head_weights_from_the_raw_projection(cuda):
     assert raw.stride(0) == 3 * HEADS and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("n_keys", [[100], [4096], [16384, 300, 16000], [60000], [262144, 1000], [131072, 300, 0]])
+# Rows' key counts, and the row stride where it is longer than the longest row: a cache sized for
+# 1M context holding short ones (most of the first pass's slices empty).
+@pytest.mark.parametrize(
+    "n_keys, stride", [([100], 0), ([4096], 0), ([16384, 300, 16000], 0), ([60000], 0), ([262144, 1000], 0), ([131072, 300, 0], 0), ([1024, 5000, 20000, 0], 262144)]
+)
 @pytest.mark.parametrize("ties", [False, True])
-def test_topk(cuda, n_keys, ties):
-    rows, stride = len(n_keys), max(n_keys)
+def test_topk(cuda, n_keys, stride, ties):
+    rows, stride = len(n_keys), max(stride, *n_keys)
     scores = torch.randn(rows, stride, device=cuda).to(torch.bfloat16).float()
     if ties:  # ReLU'd and bf16-rounded scores repeat a lot: few distinct values, many zeros
         scores = (scores * 4).round().clamp_min(0) / 4
