@@ -10,8 +10,9 @@
 // and summed in float32 where that is exact too (their scales close together, as after the
 // Hadamard rotation: see FAST_SPREAD), else in float64. A lane feeds the mma the bytes it loaded
 // itself: the order of k inside one mma is free as long as A and B agree (as in gemm.cu). grid
-// (CTAs, rows), 8 warps; CTA b takes the row's 128-key blocks b, b + CTAs, .. (the row's keys spread
-// over all CTAs however few there are), each warp 16 keys at a time; keys past the row's count get -inf.
+// (CTAs, rows), 8 warps; CTA b takes the row's 128-key blocks b, b + CTAs, .. (the row's keys
+// spread over all CTAs however few they are), each warp 16 keys at a time; keys past the row's
+// count get -inf.
 //
 // fp4_quant_rows: the FP4 fake-quant of queries and keys (see below), as e4m3 values + scales or
 // as 68-byte entries.
@@ -19,11 +20,11 @@
 // topk_select: per row, the indices of the k largest scores among its first n, ties to the lower
 // index (the reference's stable descending sort), written in ascending index order plus an offset
 // (a pool entry); slots past min(k, n) get -1. Radix select on order-preserving 32-bit keys, 8 bits
-// a round, then one pass in index order. One CTA per row (256 of its threads up to 2048 keys); its keys are
-// staged in shared memory when they fit. A long row (1M context: 262,144 keys) takes two passes:
-// CTAs of slices of the row each pick their slice's top k, then one CTA picks the top k of those
-// (the top k of the union of the slices' top k: a key the row takes is among its slice's, ties
-// included, since a slice keeps its lowest indices first).
+// a round, then one pass in index order. One CTA per row (256 of its threads up to 2048 keys); its
+// keys are staged in shared memory when they fit. A long row (1M context: 262,144 keys) takes two
+// passes: CTAs of slices of the row each pick their slice's top k, then one CTA picks the top k of
+// those (the top k of the union of the slices' top k: a key the row takes is among its slice's,
+// ties included, since a slice keeps its lowest indices first).
 #include "cache_entries.cuh"
 
 #define IDX_HEADS 64
