@@ -99,3 +99,20 @@ def test_serve_refuses_gpu_options_it_cannot_honour_in_one_line(args, message, t
     proc = subprocess.run([sys.executable, "-m", "dsuf", "serve", "--port", "0", "--kv-host-bytes", "0", *args],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--context", "100"], "contexts must be multiples of 128 of at least 256, got 100"),
+        (["--max-context", "8192"], "--max-context sizes the whole model's caches: add --model"),
+        (["--model", "--max-context", "4096", "--context", "8192"], "--max-context must be a multiple of 128 that holds every context, got 4096"),
+        (["--model", "--max-context", "65600"], "--max-context must be a multiple of 128"),
+        (["--tp", "2"], "--tp runs the whole model: add --model"),
+    ],
+)
+def test_bench_refuses_bad_arguments_in_one_line_before_looking_for_a_gpu(args, message):
+    proc = dsuf("bench", *args, ok=False)
+    assert proc.returncode != 0 and proc.stdout == ""
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("dsuf bench: ") and message in line

@@ -320,6 +320,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--first-layer", type=int, default=2, help="first layer (default 2: a CSA layer with hash routing, then an HCA layer)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
     p.add_argument("--context", type=int, nargs="+", default=[4096, 65536], help="context lengths, multiples of 128 (default 4096 65536)")
+    p.add_argument("--max-context", type=int, default=0, help="with --model: caches sized for this many tokens a sequence, as a server's "
+                   "--max-model-len sizes them, for every context measured (default: each context's own)")
     p.add_argument("--reps", type=int, default=20, help="graph replays timed (median)")
     p.add_argument("--no-reference", action="store_true", help="skip the reference path")
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage timing")
@@ -363,11 +365,12 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
     for ctx in args.context:
         # One model per context, as a server of that context would hold it; it takes the weights
         # over layer by layer, so they are never held twice.
-        model = GpuModel(small, random_source(small, device, args.seed, rank, world), device, max_batch=max(args.batch), max_context=ctx, tp=tp)
+        capacity = args.max_context or ctx
+        model = GpuModel(small, random_source(small, device, args.seed, rank, world), device, max_batch=max(args.batch), max_context=capacity, tp=tp)
         torch.manual_seed(args.seed)  # the same caches on every rank (they are replicated)
         for cache in model.caches:
             fill_random(small, cache)
-        n_comp = {cache.ratio: cache.n_max for cache in model.caches}
+        n_comp = {r: ctx // r if r else 0 for r in small.compress_ratios}  # the entries a row at the context sees
         k = args.tokens_per_seq
         for batch in args.batch:
             tokens = torch.randint(0, c.vocab_size, (batch, k))
@@ -377,7 +380,7 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
             step_us = replay_us(graph, args.reps)
             if args.trace is not None and not rows_out:  # every rank replays (the collectives need their peers); rank 0 reports
                 spans = graph_spans(graph, Path(args.trace) if args.trace and rank == 0 else None)
-                say(f"\nwhere one replay of the step goes (batch {batch}, context {ctx}, rank 0):\n{report(analyse(spans))}\n", flush=True)
+                say(f"\nwhere one replay of the step goes (batch {batch}, context {ctx} of {capacity}, rank 0):\n{report(analyse(spans))}\n", flush=True)
             fed = batch * k
             nbytes = head_bytes(small, fed, world) + sum(
                 step_bytes(small, i, fed, n_comp[r], min(c.n_routed_experts, fed * c.n_activated_experts), world) for i, r in enumerate(small.compress_ratios))
@@ -407,7 +410,8 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
         del model
         torch.cuda.empty_cache()
     say(f"\n### dsuf bench --model{f' --tp {world}' if tp else ''}: embedding + {n} V4-Flash layers + head, one CUDA graph per step "
-        f"(median of {args.reps} replays); routed experts counted as batch x 6 distinct; floor = bytes a GPU reads / {bw / 1e9:.0f} GB/s")
+        f"(median of {args.reps} replays); routed experts counted as batch x 6 distinct; floor = bytes a GPU reads / {bw / 1e9:.0f} GB/s"
+        + (f"; caches sized for {args.max_context} tokens a sequence" if args.max_context else ""))
     if args.tokens_per_seq > 1:
         say(f"every sequence feeds {args.tokens_per_seq} consecutive tokens a step (speculative decoding's verify step): "
             "tokens/s counts all of them as accepted")
@@ -503,9 +507,6 @@ def _bench_rank(rank: int, c: ModelConfig, args: argparse.Namespace, init: str) 
 
 
 def run(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("dsuf bench: no CUDA device", file=sys.stderr)
-        return 2
     raw = json.loads(Path(args.config).read_text()) if args.config else V4_FLASH_CONFIG
     c = parse_config(raw)
     if getattr(c, "family", "v4") != "v4":
@@ -517,17 +518,24 @@ def run(args: argparse.Namespace) -> int:
     for ctx in args.context:
         if ctx % 128 or ctx < 256:
             raise SystemExit(f"dsuf bench: contexts must be multiples of 128 of at least 256, got {ctx}")
+    if args.max_context and not args.model:
+        raise SystemExit("dsuf bench: --max-context sizes the whole model's caches: add --model")
+    if args.max_context and (args.max_context % 128 or max(args.context) > args.max_context):
+        raise SystemExit(f"dsuf bench: --max-context must be a multiple of 128 that holds every context, got {args.max_context}")
+    if args.tokens_per_seq != 1 and not (args.model and 1 <= args.tokens_per_seq <= PREFILL_CHUNK):
+        raise SystemExit(f"dsuf bench: --tokens-per-seq takes 1 to {PREFILL_CHUNK}, with --model")
+    if args.tp > 1 and not args.model:
+        raise SystemExit("dsuf bench: --tp runs the whole model: add --model")
+    if not torch.cuda.is_available():
+        print("dsuf bench: no CUDA device", file=sys.stderr)
+        return 2
     device = torch.device("cuda")
     torch.manual_seed(args.seed)
     props = torch.cuda.get_device_properties(device)
     print(f"dsuf bench: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}; layers {layers} "
           f"({', '.join(layer_kind(c.compress_ratios[i]) + (' hash' if c.is_hash_layer(i) else '') for i in layers)}), "
           f"batch {args.batch}, context {args.context}", flush=True)
-    if args.tokens_per_seq != 1 and not (args.model and 1 <= args.tokens_per_seq <= PREFILL_CHUNK):
-        raise SystemExit(f"dsuf bench: --tokens-per-seq takes 1 to {PREFILL_CHUNK}, with --model")
     if args.tp > 1:
-        if not args.model:
-            raise SystemExit("dsuf bench: --tp runs the whole model: add --model")
         if torch.cuda.device_count() < args.tp:
             raise SystemExit(f"dsuf bench: --tp {args.tp} needs {args.tp} GPUs, this machine has {torch.cuda.device_count()}")
         check_tp(c, args.tp)
