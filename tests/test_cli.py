@@ -109,6 +109,9 @@ def test_serve_refuses_gpu_options_it_cannot_honour_in_one_line(args, message, t
         (["--model", "--max-context", "4096", "--context", "8192"], "--max-context must be a multiple of 128 that holds every context, got 4096"),
         (["--model", "--max-context", "65600"], "--max-context must be a multiple of 128"),
         (["--tp", "2"], "--tp runs the whole model: add --model"),
+        (["--shard-of", "2"], "--shard-of times one rank of the whole model on one GPU: add --model, without --tp"),
+        (["--model", "--shard-of", "2", "--tp", "2"], "add --model, without --tp"),
+        (["--model", "--shard-of", "3"], "cannot be split over 3 GPUs: the ranks must be 1, 2, 4 or 8"),
     ],
 )
 def test_bench_refuses_bad_arguments_in_one_line_before_looking_for_a_gpu(args, message):

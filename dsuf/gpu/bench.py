@@ -42,6 +42,7 @@ from dsuf.model.config import ModelConfig, parse_config
 from dsuf.model.layers import Numerics
 
 from .attention import KV_ENTRY_BYTES, pack_kv, unpack_kv
+from .collective import AbsentPeers
 from .indexer import INDEX_ENTRY_BYTES, pack_index_keys, unpack_index_keys
 from .layer import (
     PREFILL_CHUNK,
@@ -339,6 +340,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with N - 1 draft tokens; tokens/s then counts all of them as accepted), and the MTP layer's draft is timed too")
     p.add_argument("--tp", type=int, default=1, help="with --model: tensor-parallel over this many GPUs (one process each)")
     p.add_argument("--collective", choices=("ipc", "nccl"), default="ipc", help="with --tp: the all-reduce and all-gather (default ipc)")
+    p.add_argument("--shard-of", type=int, default=1, metavar="N", help="with --model: one rank's share of a --tp N split on this one GPU, its "
+                   "collectives left out (a tensor-parallel rank's work timed where N GPUs are not at hand)")
 
 
 def head_bytes(c: ModelConfig, batch: int, world: int = 1) -> int:
@@ -359,8 +362,10 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
     n = args.layers
     drafting = args.tokens_per_seq > 1 and c.n_mtp_layers > 0  # then the MTP layer is built and its draft timed too
     small = dataclasses.replace(c, n_layers=n, compress_ratios=c.compress_ratios[:n], n_mtp_layers=c.n_mtp_layers if drafting else 0)
+    alone = tp is not None and isinstance(tp.collective, AbsentPeers)
+    split = f"one rank of a {world}-GPU split alone on this GPU, its collectives left out" if alone else f"tensor-parallel over {world} GPUs ({args.collective} collectives)"
     say(f"whole model: layers 0..{n - 1} ({', '.join(layer_kind(r) for r in small.compress_ratios)}) + embedding + head"
-        + (f", tensor-parallel over {world} GPUs ({args.collective} collectives)" if tp else ""), flush=True)
+        + (f", {split}" if tp else ""), flush=True)
     rows_out, prefills = [], []
     for ctx in args.context:
         # One model per context, as a server of that context would hold it; it takes the weights
@@ -385,7 +390,7 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
             nbytes = head_bytes(small, fed, world) + sum(
                 step_bytes(small, i, fed, n_comp[r], min(c.n_routed_experts, fed * c.n_activated_experts), world) for i, r in enumerate(small.compress_ratios))
             floor = nbytes / bw * 1e6
-            coll = collective_us(small, tp, fed, args.reps) if tp else 0.0
+            coll = collective_us(small, tp, fed, args.reps) if tp and not alone else 0.0
             rows_out.append((batch, ctx, step_us, nbytes, floor, coll))
             say(f"  batch {batch}, context {ctx}: {step_us:.1f} µs a step = {fed * 1e6 / step_us:.0f} tokens/s "
                 f"({nbytes / 1e6:.0f} MB a GPU, floor {floor:.1f} µs, {step_us / floor:.1f}x; collectives {coll:.0f} µs)", flush=True)
@@ -409,13 +414,15 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
             say(f"  prefill of a {n_tokens}-token prompt (context {ctx}): {seconds:.2f} s = {n_tokens / seconds:.0f} tokens/s", flush=True)
         del model
         torch.cuda.empty_cache()
-    say(f"\n### dsuf bench --model{f' --tp {world}' if tp else ''}: embedding + {n} V4-Flash layers + head, one CUDA graph per step "
+    say(f"\n### dsuf bench --model{f' --shard-of {world}' if alone else f' --tp {world}' if tp else ''}: embedding + {n} V4-Flash layers + head, one CUDA graph per step "
         f"(median of {args.reps} replays); routed experts counted as batch x 6 distinct; floor = bytes a GPU reads / {bw / 1e9:.0f} GB/s"
         + (f"; caches sized for {args.max_context} tokens a sequence" if args.max_context else ""))
     if args.tokens_per_seq > 1:
         say(f"every sequence feeds {args.tokens_per_seq} consecutive tokens a step (speculative decoding's verify step): "
             "tokens/s counts all of them as accepted")
-    if tp:
+    if alone:
+        say(f"one rank's work: add the step's {2 * n} all-reduces and one logits all-gather, which are not run (collectives µs: 0)")
+    elif tp:
         say(f"collectives µs = the step's {2 * n} all-reduces and one logits all-gather ({args.collective}), timed alone in a CUDA graph")
     say("\n| batch | context | step µs | tokens/s | MB read a GPU | floor µs | × floor | collectives µs |")
     say("|---|---|---|---|---|---|---|---|")
@@ -526,6 +533,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"dsuf bench: --tokens-per-seq takes 1 to {PREFILL_CHUNK}, with --model")
     if args.tp > 1 and not args.model:
         raise SystemExit("dsuf bench: --tp runs the whole model: add --model")
+    if args.shard_of > 1 and (not args.model or args.tp > 1):
+        raise SystemExit("dsuf bench: --shard-of times one rank of the whole model on one GPU: add --model, without --tp")
+    for world in {args.tp, args.shard_of} - {1}:
+        try:
+            check_tp(c, world)
+        except ValueError as e:
+            raise SystemExit(f"dsuf bench: {e}") from None
     if not torch.cuda.is_available():
         print("dsuf bench: no CUDA device", file=sys.stderr)
         return 2
@@ -538,14 +552,14 @@ def run(args: argparse.Namespace) -> int:
     if args.tp > 1:
         if torch.cuda.device_count() < args.tp:
             raise SystemExit(f"dsuf bench: --tp {args.tp} needs {args.tp} GPUs, this machine has {torch.cuda.device_count()}")
-        check_tp(c, args.tp)
         with tempfile.TemporaryDirectory() as tmp:
             torch.multiprocessing.start_processes(_bench_rank, args=(c, args, f"file://{tmp}/rendezvous"), nprocs=args.tp, start_method="spawn")
         return 0
     bw = copy_bandwidth(device)
     print(f"device-to-device copy: {bw / 1e9:.0f} GB/s (read + write)", flush=True)
     if args.model:
-        return bench_model(c, args, device, bw)
+        alone = TensorParallel(0, args.shard_of, AbsentPeers(args.shard_of)) if args.shard_of > 1 else None
+        return bench_model(c, args, device, bw, alone)
 
     tensors: dict[str, torch.Tensor] = {}
     fast = []

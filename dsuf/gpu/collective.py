@@ -190,3 +190,23 @@ class NcclCollective:
         out = torch.empty((self.world, rows, n), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
         return out.permute(1, 0, 2).reshape(rows, self.world * n)
+
+
+class AbsentPeers:
+    """Rank 0 of a `world`-rank split run without its peers (`dsuf bench --shard-of`): the GPU does a
+    real rank's share of every step, and the collectives are left out (a partial sum stands for the
+    sum; the logits' all-gather repeats this rank's slice), so that a machine of one GPU can time a
+    tensor-parallel rank's work. Its numbers are not the model's."""
+
+    def __init__(self, world: int) -> None:
+        self.rank, self.world = 0, world
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_reduce_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return partial, hc_expand(partial, x, post, comb)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x.repeat(1, self.world)
+

@@ -108,7 +108,8 @@ class TensorParallel:
         from .runtime import device_arch
 
         build_all((device_arch(device),))
-        dist.barrier()
+        if dist.is_initialized():  # (not for a rank timed alone: dsuf bench --shard-of)
+            dist.barrier()
 
 
 def start(rank: int, world: int, init_method: str, device: torch.device, kind: str = "ipc", slot_bytes: int = 16 << 20) -> TensorParallel:
