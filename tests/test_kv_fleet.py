@@ -11,7 +11,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -209,7 +211,6 @@ def test_corrupted_bytes_and_a_stale_epoch_are_refused(fleet, reference, tmp_pat
         await fetcher.close()
 
         blob[-1] ^= 0x01  # one bit of the payload
-        from contextlib import contextmanager
 
         @contextmanager
         def lookup(k: str, epoch: int):
@@ -229,6 +230,68 @@ def test_corrupted_bytes_and_a_stale_epoch_are_refused(fleet, reference, tmp_pat
 
     asyncio.run(scenario())
     assert "checksum" in b.wait_for_log("checksum")
+
+
+def test_an_owner_that_refuses_because_the_snapshot_moved_on_is_followed_to_its_new_owner(fleet, reference):
+    """B finds the snapshot at one owner, but by the time it asks, another server has claimed it
+    and the first refuses (stale epoch), as A does after another server fetched the same turn a
+    moment earlier: B looks the record up again and fetches from the new owner instead of
+    recomputing. Two stand-ins (this test) play the owners: the first moves the record to the
+    second as it refuses."""
+    a, b = fleet.start("A"), fleet.start("B")
+    ready(a, b)
+    turn1_on(a)
+    key_tokens = closing_tokens()
+    key = chain_key(MODEL_ID, key_tokens)
+    wait_until(lambda: claimed_by(fleet.redis.url, key_tokens, "A"), what="A's claim")
+    second_loop = asyncio.new_event_loop()  # the new owner's: the first one's refusal waits on its claim
+    threading.Thread(target=second_loop.run_forever, daemon=True).start()
+
+    def on_second(coro):
+        return asyncio.run_coroutine_threadsafe(coro, second_loop).result(10)
+
+    async def serving(name: str, lookup) -> tuple[OwnershipDirectory, KvTransferServer]:
+        server = KvTransferServer(lookup, SECRET.encode())
+        await server.start()
+        directory = OwnershipDirectory(fleet.redis.url, name, ctrl_addr=server.address, transports=["tcp"], lease_ms=5000)
+        await directory.start()
+        return directory, server
+
+    async def scenario() -> None:
+        probe = OwnershipDirectory(fleet.redis.url, "probe", ctrl_addr="", transports=["tcp"], lease_ms=5000)
+        rec = await probe.lookup(key)
+        fetcher = KvFetcher(SECRET.encode())
+        blob = bytearray(await fetcher.fetch((await probe.server("A")).ctrl_addr, key, rec.epoch, lambda n: memoryview(bytearray(n))))
+        await fetcher.close()
+        await probe.close()
+
+        @contextmanager
+        def new_owner(k: str, epoch: int):
+            yield memoryview(blob)
+
+        new, new_server = on_second(serving("new", new_owner))
+
+        @contextmanager
+        def old_owner(k: str, epoch: int):
+            moved = on_second(new.claim(key, epoch, tokens=rec.tokens, bytes_=len(blob), layout=rec.layout))
+            assert moved.ok
+            stamp_epoch(blob, moved.epoch)
+            raise ExportRefused(f"stale epoch {epoch} for snapshot {k[:12]}")
+            yield  # (never)
+
+        old, old_server = await serving("old", old_owner)
+        claim = await old.claim(key, rec.epoch, tokens=rec.tokens, bytes_=len(blob), layout=rec.layout)
+        assert claim.ok
+        second = await asyncio.to_thread(chat, b, TURN2)
+        assert answer(second) == reference["turn2"] and hit(second) == len(key_tokens)
+        await old_server.stop()
+        await old.close()
+        on_second(new_server.stop())
+        on_second(new.close())
+
+    asyncio.run(scenario())
+    second_loop.call_soon_threadsafe(second_loop.stop)
+    assert "new holds them now" in b.wait_for_log("holds them now")
 
 
 def test_two_servers_fetching_the_same_turn_at_once_leave_exactly_one_owner(fleet, reference):

@@ -33,7 +33,7 @@ import numpy as np
 
 from dsuf.ipc.messages import Restore, SnapshotWrite, Step, StepDone
 
-from .ownership import DirectoryUnavailable, OwnershipDirectory
+from .ownership import ConvRecord, DirectoryUnavailable, OwnershipDirectory, ServerLease
 from .snapshot import PrefixHasher, SnapshotError, decode_snapshot, stamp_epoch, token_array
 from .store import HostStore, Reservation, StoreError
 
@@ -135,24 +135,32 @@ class ConversationCache:
         return (rec.layout.rpartition("#")[2], rec.tokens) if rec is not None and "#" in rec.layout else None
 
     async def _fetch_longest(self, candidates: dict[int, str]) -> tuple[str, int] | None:
-        """Fetch the longest of `candidates` (prefix length -> key) that a live peer holds."""
+        """Fetch the longest of `candidates` (prefix length -> key) that a live peer holds. An owner
+        that refuses because another server claimed the snapshot meanwhile (it fetched the same turn
+        a moment earlier) is followed once to the record's new owner."""
         if not candidates or self.fetcher is None:
             return None
-        from .transport import TransferError
+        from .transport import ExportRefused, TransferError
 
         order = sorted(candidates, reverse=True)
         try:
             records = await self.directory.lookup_many([candidates[n] for n in order])
             for n, rec in zip(order, records):
-                if rec is None or rec.layout != self.layout:
+                lease = await self._live_owner(rec)
+                if lease is None:
                     continue
-                if self.directory.is_mine(rec):  # ours, but not in the store any more
-                    continue
-                lease = await self.directory.server(rec.owner)
-                if lease is None or lease.boot_id != rec.boot:
-                    continue  # the owner died or restarted: its memory is gone
                 try:
-                    await self._fetch(lease.ctrl_addr, rec.conv, n, rec.epoch, rec.owner)
+                    try:
+                        await self._fetch(lease.ctrl_addr, rec.conv, n, rec.epoch, rec.owner)
+                    except ExportRefused as exc:
+                        now = await self.directory.lookup(rec.conv)
+                        moved = now is not None and (now.owner, now.epoch) != (rec.owner, rec.epoch)
+                        lease = await self._live_owner(now) if moved else None
+                        if lease is None:
+                            raise
+                        log.info("%s refused %d cached tokens (%s); %s holds them now", rec.owner, n, exc, now.owner)
+                        rec = now
+                        await self._fetch(lease.ctrl_addr, rec.conv, n, rec.epoch, rec.owner)
                 except (TransferError, SnapshotError, StoreError) as exc:
                     self.stats["fetch_failures"] += 1
                     log.warning("fetching %d cached tokens from %s failed (%s); recomputing", n, rec.owner, exc)
@@ -161,6 +169,13 @@ class ConversationCache:
         except DirectoryUnavailable as exc:
             log.info("conversation cache: directory unavailable (%s); local hits only", exc)
         return None
+
+    async def _live_owner(self, rec: ConvRecord | None) -> ServerLease | None:
+        """The lease of `rec`'s owner where it is a live peer holding our layout (None: not one)."""
+        if rec is None or rec.layout != self.layout or self.directory.is_mine(rec):  # (ours: not in the store any more)
+            return None
+        lease = await self.directory.server(rec.owner)
+        return lease if lease is not None and lease.boot_id == rec.boot else None  # (else the owner died or restarted)
 
     async def _fetch(self, addr: str, key: str, tokens: int, epoch: int, owner: str) -> None:
         from .transport import TransferError
