@@ -190,15 +190,21 @@ def test_a_lost_owner_or_a_refused_transfer_means_a_recompute_with_the_same_answ
     assert took < 15
 
 
-def test_corrupted_bytes_and_a_stale_epoch_are_refused(fleet, reference, tmp_path):
-    """A stand-in owner (this test) serves a snapshot with one flipped payload bit; the real
-    server A refuses an export at an epoch it does not hold."""
+def turn1_owned_by_a(fleet: Fleet) -> tuple[Server, Server, list[int], str]:
+    """Servers A and B; turn 1 answered on A, whose closing snapshot A has claimed: (A, B, the
+    snapshot's tokens, its key)."""
     a, b = fleet.start("A"), fleet.start("B")
     ready(a, b)
     turn1_on(a)
     key_tokens = closing_tokens()
-    key = chain_key(MODEL_ID, key_tokens)
     wait_until(lambda: claimed_by(fleet.redis.url, key_tokens, "A"), what="A's claim")
+    return a, b, key_tokens, chain_key(MODEL_ID, key_tokens)
+
+
+def test_corrupted_bytes_and_a_stale_epoch_are_refused(fleet, reference, tmp_path):
+    """A stand-in owner (this test) serves a snapshot with one flipped payload bit; the real
+    server A refuses an export at an epoch it does not hold."""
+    _, b, key_tokens, key = turn1_owned_by_a(fleet)
 
     async def scenario() -> None:
         evil = OwnershipDirectory(fleet.redis.url, "evil", ctrl_addr="", transports=["tcp"], lease_ms=5000)
@@ -238,12 +244,7 @@ def test_an_owner_that_refuses_because_the_snapshot_moved_on_is_followed_to_its_
     moment earlier: B looks the record up again and fetches from the new owner instead of
     recomputing. Two stand-ins (this test) play the owners: the first moves the record to the
     second as it refuses."""
-    a, b = fleet.start("A"), fleet.start("B")
-    ready(a, b)
-    turn1_on(a)
-    key_tokens = closing_tokens()
-    key = chain_key(MODEL_ID, key_tokens)
-    wait_until(lambda: claimed_by(fleet.redis.url, key_tokens, "A"), what="A's claim")
+    _, b, key_tokens, key = turn1_owned_by_a(fleet)
     second_loop = asyncio.new_event_loop()  # the new owner's: the first one's refusal waits on its claim
     threading.Thread(target=second_loop.run_forever, daemon=True).start()
 
