@@ -209,4 +209,3 @@ class AbsentPeers:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return x.repeat(1, self.world)
-
