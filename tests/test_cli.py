@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 
 def dsuf(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
@@ -121,7 +122,7 @@ def test_bench_refuses_bad_arguments_in_one_line_before_looking_for_a_gpu(args, 
     assert line.startswith("dsuf bench: ") and message in line
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message of a machine without a GPU")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
 def test_bench_takes_good_arguments_and_then_says_plainly_that_it_needs_a_gpu():
     proc = dsuf("bench", "--model", "--shard-of", "2", "--max-context", "8192", "--context", "4096", "8192", ok=False)
     assert proc.returncode == 2 and proc.stderr.strip() == "dsuf bench: no CUDA device"
