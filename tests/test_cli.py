@@ -1,4 +1,5 @@
-"""`dsuf make-tiny`, `dsuf logits` and `dsuf generate`, run as real processes."""
+"""The command line run as real processes: `dsuf make-tiny`, `dsuf logits`, `dsuf generate`, and what
+`dsuf serve` and `dsuf bench` refuse before they start."""
 
 from __future__ import annotations
 
