@@ -305,7 +305,7 @@ DSUF_DEVICE void topk_rows(const TopkParams& p) {
   __shared__ int hist[256];
   __shared__ int warp_gt[THREADS / 32], warp_eq[THREADS / 32], warp_at[THREADS / 32], warp_eq_before[THREADS / 32];
   __shared__ u32 pick_bin;
-  __shared__ int pick_above, pick_all;
+  __shared__ int pick_above, pick_all, odd_keys;
   const int row = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   // The keys of this CTA: a row's first n scores; with p.slice, slice blockIdx.y of them (its picks
   // go to the slice's k columns); with p.cand, the scores a first pass picked (in index order).
@@ -328,13 +328,16 @@ DSUF_DEVICE void topk_rows(const TopkParams& p) {
   // `need` how many keys sharing that prefix still belong to the top kk; done early when the bin
   // picked holds exactly those. A thread counts a run of keys of one bin before it adds the run
   // to the histogram (bf16 scores crowd into a few bins of the top byte: an atomic a key would
-  // serialise on them). (kk == n: every key is taken, no search.)
+  // serialise on them). (kk == n: every key is taken, no search.) Where every score is a bf16 value
+  // (the decode indexer's are), a key's low 16 bits follow from its sign: two rounds find it.
   u32 prefix = 0, mask = 0;
   int need = kk;
+  if (tid == 0) odd_keys = 0;
   for (int shift = 24; shift >= 0 && kk < n; shift -= 8) {
     for (int i = tid; i < 256; i += THREADS) hist[i] = 0;
     topk_sync<THREADS>();
     int run_bin = 256, run = 0;  // the run of keys this thread has counted, not yet added
+    u32 odd = 0;                 // (first round) low bits of a key that no bf16 score has
     in_groups(tid, THREADS, n, [&](int m, int c) {
       u32 keys[TOPK_UNROLL];
       if (in_smem && shift < 24) {
@@ -350,6 +353,7 @@ DSUF_DEVICE void topk_rows(const TopkParams& p) {
 #pragma unroll
       for (int u = 0; u < TOPK_UNROLL; ++u) {
         if (u >= m) break;
+        if (shift == 24 && keys[u]) odd |= (keys[u] ^ ((keys[u] >> 31) - 1)) & 0xffffu;  // bf16: 0 (positive) or 0xffff
         if ((keys[u] & mask) != prefix) continue;
         const int bin = (keys[u] >> shift) & 0xff;
         if (bin != run_bin) {
@@ -360,6 +364,7 @@ DSUF_DEVICE void topk_rows(const TopkParams& p) {
       }
     });
     if (run) atomicAdd(&hist[run_bin], run);
+    if (odd) odd_keys = 1;
     topk_sync<THREADS>();
     if (tid < 32) {  // lane L scans bins 255 - 8L down to 248 - 8L; suffix sums across lanes
       int local = 0;
@@ -389,7 +394,8 @@ DSUF_DEVICE void topk_rows(const TopkParams& p) {
     prefix |= pick_bin << shift;
     mask |= 0xffu << shift;
     need -= pick_above;
-    const bool done = pick_all;
+    const bool done = pick_all || (shift == 16 && !odd_keys);
+    if (done && !pick_all) prefix |= (prefix >> 31) ? 0u : 0xffffu, mask = ~0u;  // the bf16 key's low bits
     topk_sync<THREADS>();  // pick_* are rewritten next round
     if (done) break;
   }

@@ -118,13 +118,23 @@ def test_index_scores_form_the_head_weights_from_the_raw_projection(cuda):
 @pytest.mark.parametrize(
     "n_keys, stride", [([100], 0), ([4096], 0), ([16384, 300, 16000], 0), ([60000], 0), ([262144, 1000], 0), ([131072, 300, 0], 0), ([1024, 5000, 20000, 0], 262144)]
 )
-@pytest.mark.parametrize("ties", [False, True])
-def test_topk(cuda, n_keys, stride, ties):
+@pytest.mark.parametrize("kind", ["bf16", "ties", "nudged", "float32"])
+def test_topk(cuda, n_keys, stride, kind):
+    """kind: the decode indexer's scores are bf16 values (the search then needs only their 16
+    bits); ReLU'd scores repeat a lot ("ties": few distinct values, many zeros); "nudged": ties
+    where a few keys at the k-th value are a float32 ulp above it (only the low bits tell them
+    apart); float32: any scores."""
     rows, stride = len(n_keys), max(stride, *n_keys)
-    scores = torch.randn(rows, stride, device=cuda).to(torch.bfloat16).float()
-    if ties:  # ReLU'd and bf16-rounded scores repeat a lot: few distinct values, many zeros
+    scores = torch.randn(rows, stride, device=cuda)
+    if kind != "float32":
+        scores = scores.to(torch.bfloat16).float()
+    if kind in ("ties", "nudged"):
         scores = (scores * 4).round().clamp_min(0) / 4
     for r, n in enumerate(n_keys):
+        if kind == "nudged" and n > TOPK:
+            kth = scores[r, :n].topk(TOPK).values[-1]
+            at = (scores[r, :n] == kth).nonzero()[-3:, 0]
+            scores[r, at] = torch.nextafter(kth, torch.tensor(float("inf"), device=cuda))
         scores[r, n:] = float("nan")  # past a row's count: never read
     n_dev = torch.tensor(n_keys, dtype=torch.int32, device=cuda)
     offset = torch.randint(0, 1000, (rows,), dtype=torch.int32, device=cuda)
