@@ -4,10 +4,13 @@
 // with per-head attention sinks. What layers.sink_attention computes in reference numerics:
 //   s = (q . k) * scale; p = exp(s - max); out = sum(bf16(p) k) / (sum(p) + exp(sink - max)).
 //
-// Flash-decoding: grid (splits, rows, head groups). CTA (split, row, group) takes index slots
-// [split * per_split, +per_split) of its row for heads [group * head_tile, +head_tile) (a decode
-// step's few rows split their heads too, so that more SMs share the step's latency; each head's
-// arithmetic is the same whichever CTA does it) in tiles of 32 entries: the tile is gathered and
+// Flash-decoding: grid (CTAs, rows). A row's CTAs follow the index slots it uses (`used`: a server
+// sized for long contexts gives every row room for its capacity, mostly empty): attn_plan spreads
+// them as dsuf.gpu.attention.choose_splits does, CTA x taking split x / groups, head group
+// x % groups; the CTAs past the plan leave. CTA (split, group) takes index slots [split *
+// per_split, +per_split) of its row for heads [group * head_tile, +head_tile) (a decode step's few
+// rows split their heads too, so that more SMs share the step's latency; each head's arithmetic is
+// the same whichever CTA does it) in tiles of 32 entries: the tile is gathered and
 // dequantised to bf16 in shared memory, S = Q K^T on the tensor cores (bf16 mma, fp32
 // accumulators), an online softmax in fp32 (probabilities rounded to bf16 against the running
 // max, as the reference kernel does), O += P K. It writes its unnormalised O, its max and its sum
@@ -38,14 +41,42 @@ struct AttnParams {
   float* part_ml;      // [rows, splits, 64, 2] (running max, sum of probabilities) of each split
   u16* out;            // [rows, heads, 512] bf16
   int n_idx;           // index slots per row
-  int per_split;       // index slots per split, a multiple of TILE
-  int splits;
+  const int* used;     // [rows] or null (n_idx each): the row's slots from used[row] on name no entry;
+                       // written before the launch ahead of sparse_attn_decode's (read before its PDL wait)
+  int splits;          // room for this many splits a row in part_o / part_ml
+  int ctas;            // sparse_attn_decode's CTAs a row (its plan for n_idx slots)
+  int sms;             // SMs the plan spreads a step's rows over
   float scale;         // softmax scale (head_dim ** -0.5)
   int heads;           // query heads a row has (a tensor-parallel rank's share of 64)
   const float* cos_t;  // [rows, 32] or null: sparse_attn_combine then rotates the output's last
   const float* sin_t;  // 64 dims back by the row's position (rope.cu's inverse, on the bf16 output)
-  int head_tile;       // heads a CTA takes (a multiple of 16)
 };
+
+// How a row's used slots are spread over the launch's CTAs (mirror of dsuf.gpu.attention.choose_splits
+// with ctas = p.ctas, the CTAs planned for n_idx slots): one CTA an SM, about sms / rows splits a
+// row, never more than it has tiles, none empty; where that leaves SMs idle, each split's heads
+// divided among 2 or 4 CTAs (16-head MMA tiles).
+struct AttnPlan {
+  int splits, per_split, head_tile, groups;
+};
+
+DSUF_DEVICE int used_slots(const AttnParams& p, int row) { return p.used ? min(p.used[row], p.n_idx) : p.n_idx; }
+
+DSUF_DEVICE AttnPlan attn_plan(const AttnParams& p, int n) {
+  const int rows = gridDim.y, ctas = p.ctas;
+  const int tiles = max(1, (n + TILE - 1) / TILE);
+  const int want = max(1, min(tiles, min(ctas, p.sms / rows)));
+  const int per = (tiles + want - 1) / want, splits = (tiles + per - 1) / per;
+  const int head_tiles = (p.heads + 15) / 16;
+  int groups = 1;
+  for (int g = 4; g > 1; g >>= 1)
+    if (g <= head_tiles && rows * splits * g <= p.sms && splits * g <= ctas) {
+      groups = g;
+      break;
+    }
+  const int head_tile = 16 * ((head_tiles + groups - 1) / groups);
+  return {splits, per * TILE, head_tile, (p.heads + head_tile - 1) / head_tile};
+}
 
 // Shared memory of sparse_attn_decode, in bytes (the launcher asks for this much).
 #define SMEM_Q 0
@@ -150,6 +181,12 @@ DSUF_DEVICE void finish_row(const AttnParams& p, int row, int h0, int nh, float 
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __grid_constant__ AttnParams p) {
+  // The plan comes first, from `used`, which is read before the PDL wait (see AttnParams): the
+  // CTAs past it leave at once, the others start gathering as soon as the wait ends.
+  const int row = blockIdx.y;
+  const int used = used_slots(p, row);
+  const AttnPlan plan = attn_plan(p, used);
+  if ((int)blockIdx.x >= plan.splits * plan.groups) return;
   pdl_begin();
   extern __shared__ __align__(16) u8 smem[];
   u16* q_s = reinterpret_cast<u16*>(smem + SMEM_Q);
@@ -160,12 +197,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
   int* idx_s = reinterpret_cast<int*>(smem + SMEM_IDX);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int split = blockIdx.x, row = blockIdx.y;
-  const int begin = split * p.per_split, end = min(p.n_idx, begin + p.per_split);
+  const int split = blockIdx.x / plan.groups;
+  const int begin = split * plan.per_split, end = min(used, begin + plan.per_split);
 
   // This CTA's heads h0 .. h0+n_heads-1 (of a tensor-parallel rank's p.heads), padded to whole 16-head
   // MMA tiles: the tiles past them are neither computed nor written.
-  const int h0 = blockIdx.z * p.head_tile, n_heads = min(p.heads - h0, p.head_tile);
+  const int h0 = blockIdx.x % plan.groups * plan.head_tile, n_heads = min(p.heads - h0, plan.head_tile);
   const int hp = (n_heads + 15) & ~15;
   const u16* q = p.q + ((i64)row * p.heads + h0) * DIM;
   for (int i = tid; i < hp * DIM / 8; i += 256) {
@@ -282,7 +319,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
     }
   }
 
-  if (p.splits == 1) {  // sparse_attn_combine's work for one split, here (the same operations)
+  if (plan.splits == 1) {  // sparse_attn_combine's work for one split, here (the same operations)
     finish_row(p, row, h0, n_heads, m_run, l_run, acc, s_s);
     return;
   }
@@ -303,27 +340,50 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
 }
 
 // out[row, h] = sum_s w_s O_s / (sum_s w_s l_s + exp(sink[h] - M)), w_s = exp(m_s - M), M = max_s m_s;
-// the splits in order; then the inverse RoPE if cos_t is given. grid (heads, rows), 128 threads x 4 dims.
+// the row's splits in order; then the inverse RoPE if cos_t is given. grid (heads, rows, parts),
+// 512 / parts / 4 threads: 4 dims a thread. Each warp reads the splits' (m, l) first, into its
+// shared memory, then has every split's outputs in flight at once (a decode step's combine is a
+// chain of memory latencies; its few rows' heads are spread over 4 CTAs each).
+#define COMBINE_SPLITS 256  // most splits a row (the launcher checks)
+#define COMBINE_UNROLL 16
 extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine(const __grid_constant__ AttnParams p) {
   pdl_begin();
-  const int h = blockIdx.x, row = blockIdx.y, d = 4 * threadIdx.x;
+  __shared__ float w_all[4][COMBINE_SPLITS], l_all[4][COMBINE_SPLITS];
+  const int h = blockIdx.x, row = blockIdx.y, lane = threadIdx.x & 31, d = 4 * (threadIdx.x + blockDim.x * blockIdx.z);
+  float* w_s = w_all[threadIdx.x >> 5];
+  float* l_s = l_all[threadIdx.x >> 5];
+  const int splits = attn_plan(p, used_slots(p, row)).splits;
+  if (splits == 1) return;  // the attention kernel finished the row
   const float* ml = p.part_ml + (i64)row * p.splits * HEADS * 2;
-  // Unrolled so that several splits' loads are in flight at once (same order of the sums).
   float mx = NEG_INF;
-#pragma unroll 8
-  for (int s = 0; s < p.splits; ++s) mx = fmaxf(mx, ml[(s * HEADS + h) * 2]);
+  for (int s = lane; s < splits; s += 32) {
+    const float2 v = *reinterpret_cast<const float2*>(ml + (s * HEADS + h) * 2);
+    w_s[s] = v.x, l_s[s] = v.y;
+    mx = fmaxf(mx, v.x);
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   const float ref = mx == NEG_INF ? 0.0f : mx;
+  for (int s = lane; s < splits; s += 32) w_s[s] = expf(w_s[s] - ref);
+  __syncwarp();
   float l = 0.0f;
   float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 8
-  for (int s = 0; s < p.splits; ++s) {
-    const float w = expf(ml[(s * HEADS + h) * 2] - ref);
-    l += ml[(s * HEADS + h) * 2 + 1] * w;
-    const float4 v = *reinterpret_cast<const float4*>(p.part_o + (((i64)row * p.splits + s) * HEADS + h) * DIM + d);
-    o.x += v.x * w;
-    o.y += v.y * w;
-    o.z += v.z * w;
-    o.w += v.w * w;
+  const float* po = p.part_o + ((i64)row * p.splits * HEADS + h) * DIM + d;
+  for (int s0 = 0; s0 < splits; s0 += COMBINE_UNROLL) {
+    float4 v[COMBINE_UNROLL];
+#pragma unroll
+    for (int u = 0; u < COMBINE_UNROLL; ++u)
+      if (s0 + u < splits) v[u] = *reinterpret_cast<const float4*>(po + (i64)(s0 + u) * HEADS * DIM);
+#pragma unroll
+    for (int u = 0; u < COMBINE_UNROLL; ++u) {
+      if (s0 + u >= splits) break;
+      const float w = w_s[s0 + u];
+      l += l_s[s0 + u] * w;
+      o.x += v[u].x * w;
+      o.y += v[u].y * w;
+      o.z += v[u].z * w;
+      o.w += v[u].w * w;
+    }
   }
   l += expf(p.sink[h] - ref);
   *reinterpret_cast<uint2*>(p.out + ((i64)row * p.heads + h) * DIM + d) = make_uint2(out_pair(p, row, d, o.x, o.y, l), out_pair(p, row, d + 2, o.z, o.w, l));

@@ -62,6 +62,7 @@ def test_hca_rows_attend_to_every_complete_group_and_write_the_one_they_complete
         base = 2 * cache.stride
         compressed = sorted(int(e) for e in ix.attn_idx[row, W:] if e >= 0)
         assert compressed == [base + RING + j for j in range((pos + 1) // ratio)], f"position {pos}"
+        assert bool((ix.attn_idx[row, int(ix.attn_used[row]) :] == -1).all()) and int(ix.attn_used[row]) == W + (pos + 1) // ratio
         assert int(ix.comp_slot[row]) == base + RING + pos // ratio  # written only if (pos + 1) % ratio == 0
         assert int(ix.comp_base[row]) == base + RING and int(ix.positions[row]) == pos
 
@@ -74,6 +75,7 @@ def test_csa_rows_score_the_visible_index_keys_and_leave_the_picks_to_the_top_k(
         assert int(ix.key_start[row]) == slot * cache.n_max
         assert int(ix.n_keys[row]) == (pos + 1) // 4
         assert int(ix.key_row[row]) == slot * cache.n_max + pos // 4
+        assert int(ix.attn_used[row]) == W + min(C.index_topk, (pos + 1) // 4)  # the top-k fills no slot past it
 
 
 def test_rope_tables_follow_each_rows_position() -> None:

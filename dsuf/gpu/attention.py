@@ -77,39 +77,48 @@ class AttnParams(ctypes.Structure):
         ("part_ml", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
         ("n_idx", ctypes.c_int),
-        ("per_split", ctypes.c_int),
+        ("used", ctypes.c_void_p),
         ("splits", ctypes.c_int),
+        ("ctas", ctypes.c_int),
+        ("sms", ctypes.c_int),
         ("scale", ctypes.c_float),
         ("heads", ctypes.c_int),
         ("cos_t", ctypes.c_void_p),
         ("sin_t", ctypes.c_void_p),
-        ("head_tile", ctypes.c_int),
     ]
 
 
-def choose_splits(n_idx: int, rows: int, sms: int, heads: int = HEADS) -> tuple[int, int, int]:
+COMBINE_SPLITS = 256  # most splits a row the combine takes (sparse_attn.cu)
+
+
+def choose_splits(n_idx: int, rows: int, sms: int, heads: int = HEADS, ctas: int | None = None) -> tuple[int, int, int]:
     """(splits, index slots per split, heads a CTA takes): one CTA per SM (the kernel fills one),
     so about sms / rows splits a row, never more than the row has tiles, none of them empty; where
     that leaves SMs idle (a decode step's rows of a few tiles each), each split's heads are
-    divided among 2 or 4 CTAs too (16-head MMA tiles)."""
+    divided among 2 or 4 CTAs too (16-head MMA tiles). ctas: at most this many CTAs a row (the
+    kernel plans a row using fewer slots than it was launched for within the launch's CTAs)."""
+    cap = sms // max(1, rows) if ctas is None else min(ctas, sms // max(1, rows))
     tiles = max(1, math.ceil(n_idx / TILE))
-    want = max(1, min(tiles, sms // max(1, rows)))
+    want = max(1, min(tiles, cap))
     per_split = math.ceil(tiles / want)
     splits = math.ceil(tiles / per_split)
     head_tiles = math.ceil(heads / 16)
-    groups = next(g for g in (4, 2, 1) if g == 1 or (g <= head_tiles and rows * splits * g <= sms))
+    groups = next(g for g in (4, 2, 1) if g == 1 or (g <= head_tiles and rows * splits * g <= sms and (ctas is None or splits * g <= ctas)))
     return splits, per_split * TILE, 16 * math.ceil(head_tiles / groups)
 
 
 def sparse_attention(
     q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-    inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None, used: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q bf16 [rows, H, 512] (after the per-head norm and RoPE; H <= 64: a tensor-parallel rank's
     heads) against the pool entries named by idx int32 [rows, n] (< 0: none), with attention sinks
     float32 [H] -> bf16 [rows, H, 512]. Each row must name at least one entry. inverse_rope =
     (cos, sin) float32 [rows, 32]: the output's last 64 dims are then rotated back as
-    rope.rope_(out, cos, sin, inverse=True) would, in the same launch."""
+    rope.rope_(out, cos, sin, inverse=True) would, in the same launch. used = int32 [rows]: row r's
+    slots from used[r] on name no entry (a cache sized for more than the rows see: the work
+    follows what each row uses, not n); the kernel reads it before its PDL wait, so it must not be
+    written by the launch just before this call's (the decode step writes it at the step's start)."""
     rows, heads = q.shape[0], q.shape[1]
     if q.dtype != torch.bfloat16 or q.dim() != 3 or not 1 <= heads <= HEADS or q.shape[2] != HEAD_DIM or tuple(sink.shape) != (heads,):
         raise ValueError(f"sparse_attention: need bf16 q [rows, H <= {HEADS}, {HEAD_DIM}] and sinks [H], got {q.dtype} {tuple(q.shape)}, {tuple(sink.shape)}")
@@ -117,14 +126,19 @@ def sparse_attention(
         raise ValueError(f"sparse_attention: need int32 idx [{rows}, n >= 1], got {idx.dtype} {tuple(idx.shape)}")
     if pool.dtype != torch.uint8 or pool.shape[-1] != KV_ENTRY_BYTES or not pool.is_contiguous():
         raise ValueError(f"sparse_attention: the pool must be contiguous uint8 [entries, {KV_ENTRY_BYTES}]")
-    n_idx = idx.shape[1]
-    splits, per_split, head_tile = choose_splits(n_idx, rows, sm_count(q.device), heads)
+    if used is not None and (used.dtype != torch.int32 or tuple(used.shape) != (rows,)):
+        raise ValueError(f"sparse_attention: used must be int32 [{rows}], got {used.dtype} {tuple(used.shape)}")
+    n_idx, sms = idx.shape[1], sm_count(q.device)
+    splits, _, head_tile = choose_splits(n_idx, rows, sms, heads)
+    assert splits <= COMBINE_SPLITS
+    ctas = splits * math.ceil(heads / head_tile)  # a row using fewer slots is planned within these
     # (one split a row: the attention kernel finishes each row itself, no partial outputs)
     part_o = torch.empty((rows, splits, HEADS, HEAD_DIM) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((rows, splits, HEADS, 2) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty((rows, heads, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
     q, idx, sink = q.contiguous(), idx.contiguous(), sink.float().contiguous()
+    used = used.contiguous() if used is not None else None
     cos = sin = None
     if inverse_rope is not None:
         cos, sin = (t.float().contiguous() for t in inverse_rope)
@@ -133,10 +147,10 @@ def sparse_attention(
     p = AttnParams()
     p.q, p.kv, p.idx, p.sink = q.data_ptr(), pool.data_ptr(), idx.data_ptr(), sink.data_ptr()
     p.part_o, p.part_ml, p.out = part_o.data_ptr(), part_ml.data_ptr(), out.data_ptr()
-    p.n_idx, p.per_split, p.splits, p.scale, p.heads = n_idx, per_split, splits, scale, heads
+    p.n_idx, p.used, p.splits, p.ctas, p.sms, p.scale, p.heads = n_idx, used.data_ptr() if used is not None else 0, splits, ctas, sms, scale, heads
     p.cos_t, p.sin_t = (cos.data_ptr(), sin.data_ptr()) if cos is not None else (0, 0)
-    p.head_tile = head_tile
-    get_kernel("sparse_attn", "sparse_attn_decode", q.device)((splits, rows, math.ceil(heads / head_tile)), 256, [p], shared=SHARED_BYTES)
+    get_kernel("sparse_attn", "sparse_attn_decode", q.device)((ctas, rows, 1), 256, [p], shared=SHARED_BYTES)
     if splits > 1:
-        get_kernel("sparse_attn", "sparse_attn_combine", q.device)((heads, rows, 1), 128, [p])
+        parts = 4 if rows * heads * 4 <= 2 * sms else 1  # CTAs a head's 512 dims take: a decode step's few rows spread wide
+        get_kernel("sparse_attn", "sparse_attn_combine", q.device)((heads, rows, parts), HEAD_DIM // 4 // parts, [p])
     return out

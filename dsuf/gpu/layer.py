@@ -139,6 +139,7 @@ class StepIndex:
     max_keys: int | None = None  # a bound on n_keys (None: the cache's n_max)
     chunk_start: int | None = None  # a prefill chunk's first position (its rows are one sequence's)
     ring_copy: tuple[torch.Tensor, torch.Tensor] | None = None  # a prefill chunk's last W entries: (from, to)
+    attn_used: torch.Tensor | None = None  # int32 [B]: the row's slots of attn_idx from this on are -1
 
 
 def step_index(c: ModelConfig, ratio: int, n_max: int, rope: Rope, slots: torch.Tensor, pos: torch.Tensor,
@@ -167,6 +168,8 @@ def step_index(c: ModelConfig, ratio: int, n_max: int, rope: Rope, slots: torch.
                     ring_copy=ring_copy, chunk_start=chunk[1] if chunk else None)
     # A chunk's rows see at most the entries its last row sees (known here, unlike in a graph).
     most = n_max if chunk is None else max(1, (chunk[1] + pos.shape[0]) // ratio)
+    # The compressed slots a row fills: its visible entries (CSA: the top-k picks among them).
+    idx.attn_used = (w + visible.clamp_max(c.index_topk if ratio == 4 else most)).int()
     if ratio == 4:
         picks = torch.full((pos.shape[0], c.index_topk), -1, dtype=torch.int64, device=pos.device)  # top-k fills them
         idx.attn_idx = torch.cat((window, picks), dim=1).int()
@@ -343,7 +346,7 @@ class DecodeLayer:
             topk_indices(scores, ix.n_keys, c.index_topk, out=ix.attn_idx, out_col=c.window_size, offset=ix.comp_base)
 
         def attend(b: dict) -> None:
-            b[f"{L}.o"] = sparse_attention(b[f"{L}.q"], cache.pool, ix.attn_idx, self.sink, hd**-0.5, inverse_rope=(ix.cos, ix.sin))
+            b[f"{L}.o"] = sparse_attention(b[f"{L}.q"], cache.pool, ix.attn_idx, self.sink, hd**-0.5, inverse_rope=(ix.cos, ix.sin), used=ix.attn_used)
             if ix.ring_copy is not None:  # every row has attended: the chunk's last W positions join the ring
                 src, dst = ix.ring_copy
                 cache.pool[dst.long()] = cache.pool[src.long()]

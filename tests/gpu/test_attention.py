@@ -111,11 +111,11 @@ def test_a_prompt_chunks_rows(cuda):
     check_attention(q, pool, idx, "a prompt chunk")
 
 
-def check_attention(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, what: str) -> None:
+def check_attention(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, what: str, used: torch.Tensor | None = None) -> None:
     rows, n = idx.shape
     sink = torch.randn(HEADS, device=q.device) * 2
     out = torch.full((rows, HEADS, DIM), float("nan"), dtype=torch.bfloat16, device=q.device)  # poison
-    sparse_attention(q, pool, idx, sink, SCALE, out=out)
+    sparse_attention(q, pool, idx, sink, SCALE, out=out, used=used)
     splits, per_split, head_tile = choose_splits(n, rows, torch.cuda.get_device_properties(q.device).multi_processor_count)
     ref = reference_attention(q, pool, idx, sink)
     rel, _ = compare(f"sparse attention {rows} rows x {n} entries ({splits} splits of {per_split}, {head_tile} heads a CTA, {what})", out, ref)
@@ -131,7 +131,39 @@ def check_attention(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, what
     print(f"  against unrounded attention: kernel rel {k_rel:.2e} max {k_max:.2e}; reference numerics rel {r_rel:.2e} max {r_max:.2e}")
     assert rel < 4e-3
     assert k_rel <= 1.5 * r_rel and k_max <= 2.0 * r_max
-    assert torch.equal(sparse_attention(q, pool, idx, sink, SCALE), out), "not deterministic"
+    assert torch.equal(sparse_attention(q, pool, idx, sink, SCALE, used=used), out), "not deterministic"
+
+
+@pytest.mark.parametrize("rows, heads", [(1, 64), (1, 32), (8, 64), (8, 32), (300, 64)])
+def test_rows_attend_over_the_slots_they_use_not_the_caches_room(cuda, rows, heads):
+    """A server sized for long contexts gives an HCA row room for every compressed entry it could
+    have (8,192 at 1M), nearly all -1 at a short context. Told the slots each row uses, the kernel
+    spreads those over its CTAs as if the room were not there: bit for bit the output of the same
+    rows without it."""
+    window, seen, room = 128, 32, 8192
+    n = window + seen
+    pool = new_pool(rows * n, cuda)
+    pack_kv(random_kv(rows * n, cuda), pool)
+    idx = torch.randint(0, rows * n, (rows, n), device=cuda, dtype=torch.int32)
+    roomy = torch.cat((idx, torch.full((rows, room), -1, dtype=torch.int32, device=cuda)), dim=1)
+    used = torch.full((rows,), n, dtype=torch.int32, device=cuda)
+    q = (torch.randn(rows, heads, DIM, device=cuda) * torch.exp(torch.randn(1, heads, 1, device=cuda))).to(torch.bfloat16)
+    sink = torch.randn(heads, device=cuda) * 2
+    assert torch.equal(sparse_attention(q, pool, roomy, sink, SCALE, used=used), sparse_attention(q, pool, idx, sink, SCALE))
+
+
+def test_rows_of_one_step_using_different_slots(cuda):
+    """Rows at different positions use different numbers of their slots: each row's own plan,
+    checked against the reference over all the slots."""
+    rows, window, room = 8, 128, 2048
+    n = window + room
+    pool = new_pool(rows * n, cuda)
+    pack_kv(random_kv(rows * n, cuda), pool)
+    idx = torch.randint(0, rows * n, (rows, n), device=cuda, dtype=torch.int32)
+    used = torch.tensor([window + 3, window, n, window + 700, 1, window + 33, window + 1500, window + 64], dtype=torch.int32, device=cuda)
+    idx[torch.arange(n, device=cuda)[None, :] >= used[:, None]] = -1
+    q = (torch.randn(rows, HEADS, DIM, device=cuda) * torch.exp(torch.randn(1, HEADS, 1, device=cuda))).to(torch.bfloat16)
+    check_attention(q, pool, idx, "rows using 1 to all of their slots", used=used)
 
 
 @pytest.mark.parametrize("rows", [1, 4])
