@@ -13,7 +13,10 @@ typedef long long i64;
 // Programmatic dependent launch: every kernel is launched so that it may be scheduled while the
 // kernel before it on the stream is still running (runtime.py). Each begins here: wait until the
 // kernel before has finished and its writes are visible, then allow the next kernel to be
-// scheduled in turn, so that one kernel's launch overlaps the tail of the one before.
+// scheduled in turn, so that one kernel's launch overlaps the tail of the one before. Hence a
+// kernel that has started finds every kernel before its predecessor finished (the predecessor
+// allowed it only after its own wait): what those wrote (a decode step's indices, made at the
+// step's start) may be read before pdl_begin, its latency hidden behind the predecessor's.
 DSUF_DEVICE void pdl_begin() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -181,7 +181,7 @@ DSUF_DEVICE void finish_row(const AttnParams& p, int row, int h0, int nh, float 
 }
 
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __grid_constant__ AttnParams p) {
-  // The plan comes first, from `used`, which is read before the PDL wait (see AttnParams): the
+  // The plan comes first, from `used`, read before the PDL wait (see AttnParams, pdl_begin): the
   // CTAs past it leave at once, the others start gathering as soon as the wait ends.
   const int row = blockIdx.y;
   const int used = used_slots(p, row);
