@@ -8,8 +8,9 @@
 // No bf16 copy of the experts is made.
 //
 // Two kernels. moe_prefill_images writes each tile's activations (up to 128 pairs of one expert,
-// the host lists the tiles) chunk by chunk as the images wgmma reads as B, so that the GEMM loads
-// a chunk's B with one bulk copy. moe_prefill_fp4: grid.x = (mat, 128-row block of N), grid.y =
+// listed on the device by dsuf.gpu.moe.prefill_tiles; rows of 0 pairs after them are skipped)
+// chunk by chunk as the images wgmma reads as B, so that the GEMM loads a chunk's B with one bulk
+// copy. moe_prefill_fp4: grid.x = (mat, 128-row block of N), grid.y =
 // tile; two warpgroups take 64 rows each, m64n128k32 steps (m64n64k32 for a tile of at most 64
 // pairs). A warpgroup converts a chunk's A, runs its four steps back to back and promotes; ptxas
 // would serialise wgmmas whose A registers other instructions write while they run, so the
@@ -39,7 +40,7 @@ struct PrefillParams {
   TensorMap w[2];      // FP4 experts [E * N rows, K/2 bytes], kernel layout, boxes of 64 bytes x PF_ROWS
   TensorMap ws[2];     // their E8M0 scales [E * N rows, K/32 bytes], boxes of K/32 x PF_ROWS; mat 1 (if any) writes columns N..2N-1
   const u8* images;    // [tiles, K/128, PF_IMAGE_BYTES] (moe_prefill_images)
-  const int* tiles;    // [tiles, 3]: expert, first pair, pairs (1..PF_COLS)
+  const int* tiles;    // [tiles, 3]: expert, first pair, pairs (1..PF_COLS; 0: no tile)
   void* out;           // [P, out_cols], float32 if out_f32 else bf16
   int N, K, out_cols, out_f32;
 };
@@ -49,6 +50,7 @@ extern "C" __global__ void __launch_bounds__(4 * PF_COLS) moe_prefill_images(con
                                                                              const int* tiles, u8* images, int K) {
   pdl_begin();
   const int kc = blockIdx.x, KC = gridDim.x, pair0 = tiles[3 * blockIdx.y + 1], cols = tiles[3 * blockIdx.y + 2];
+  if (cols <= 0) return;  // a row past the tiles (prefill_tiles: their count bound)
   const int c = threadIdx.x >> 2, s = threadIdx.x & 3;
   const int row = c >= cols ? -1 : x_row ? x_row[pair0 + c] : pair0 + c;
   uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
@@ -199,6 +201,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) moe_prefill_fp4(cons
   __syncthreads();
   pdl_begin();  // (the tiles and images are made just before)
   const int expert = p.tiles[3 * blockIdx.y], pair0 = p.tiles[3 * blockIdx.y + 1], cols = p.tiles[3 * blockIdx.y + 2];
+  if (cols <= 0) return;  // a row past the tiles: no weights read
   const PfRing ring{smem, bars, bars + PF_SLOTS, p.images + (i64)blockIdx.y * KC * PF_IMAGE_BYTES, &p.w[mat], expert * N + rb * PF_ROWS};
   if (threadIdx.x == 0) {
     mbar_expect_bytes(scales, PF_ROWS * SB);

@@ -123,11 +123,22 @@ class Fp4Experts:
         return self.w1.shape[1]
 
 
-def prefill_tiles(bounds: list[int], device: torch.device) -> torch.Tensor:
-    """moe_prefill_fp4's tiles int32 [tiles, 3] (expert, first pair, pairs): each expert's run
-    bounds[e] .. bounds[e + 1] of the sorted pairs in pieces of up to PREFILL_COLS."""
-    runs = [(e, p0, min(PREFILL_COLS, bounds[e + 1] - p0)) for e in range(len(bounds) - 1) for p0 in range(bounds[e], bounds[e + 1], PREFILL_COLS)]
-    return torch.tensor(runs, dtype=torch.int32).reshape(-1, 3).to(device)
+def prefill_tiles(ends: torch.Tensor, pairs: int) -> torch.Tensor:
+    """moe_prefill_fp4's tiles int32 [pairs // PREFILL_COLS + E, 3] (expert, first pair, pairs)
+    from each expert's end among the pairs sorted by expert (int64 [E], on the device): expert e's
+    run in pieces of up to PREFILL_COLS, in expert order, then rows of no pairs (the kernels skip
+    them). Made on the device, so that a prompt chunk's MoE never waits for the host: the row count
+    bounds the tiles whatever the routing."""
+    n_experts = ends.shape[0]
+    starts = torch.cat((ends.new_zeros(1), ends[:-1]))
+    per = (ends - starts + PREFILL_COLS - 1) // PREFILL_COLS  # tiles of each expert
+    tile_end = per.cumsum(0)
+    j = torch.arange(pairs // PREFILL_COLS + n_experts, device=ends.device)
+    expert = torch.searchsorted(tile_end, j, right=True)  # n_experts past the last tile
+    e = expert.clamp_max(n_experts - 1)
+    first = starts[e] + (j - tile_end[e] + per[e]) * PREFILL_COLS
+    cols = torch.where(expert < n_experts, (ends[e] - first).clamp(0, PREFILL_COLS), 0)
+    return torch.stack((e, first, cols), dim=1).int()
 
 
 def prefill_images(xq: torch.Tensor, sx: torch.Tensor, x_row: torch.Tensor | None, tiles: torch.Tensor) -> torch.Tensor:
@@ -263,13 +274,13 @@ class Moe:
         xq, sx = xq if xq is not None else act_quant(x)
         expert = idx.reshape(-1).long()
         order = torch.argsort(expert, stable=True)
-        ends = torch.bincount(expert, minlength=self.routed.w1.shape[0]).cumsum(0)
-        bounds = [0] + ends.tolist()  # one host sync: each expert's rows among the sorted pairs
+        # Each expert's end among the sorted pairs, on the device (bincount would wait for the host).
+        ends = torch.searchsorted(expert.index_select(0, order), torch.arange(self.routed.w1.shape[0], device=x.device), right=True)
         route_w = weights.reshape(-1).float().index_select(0, order)
         if self._prefill_fp4():
-            y_sorted = self._routed_prefill(xq, sx, (order // k).int(), bounds, route_w)
+            y_sorted = self._routed_prefill(xq, sx, (order // k).int(), ends, route_w)
         else:
-            y_sorted = self._routed_bf16(x, order // k, bounds, ends, route_w)
+            y_sorted = self._routed_bf16(x, order // k, ends, route_w)
         row_of = torch.empty_like(order, dtype=torch.int32).index_copy_(0, order, torch.arange(t * k, dtype=torch.int32, device=x.device))
         return y_sorted, row_of, self.shared.prefill(xq, sx, self.limit)
 
@@ -277,12 +288,12 @@ class Moe:
         """Whether a prompt chunk's routed experts run in moe_prefill_fp4 (else over their bf16 copy)."""
         return PREFILL_WGMMA and self.fp4_prefill
 
-    def _routed_prefill(self, xq: torch.Tensor, sx: torch.Tensor, x_row: torch.Tensor, bounds: list[int], route_w: torch.Tensor) -> torch.Tensor:
+    def _routed_prefill(self, xq: torch.Tensor, sx: torch.Tensor, x_row: torch.Tensor, ends: torch.Tensor, route_w: torch.Tensor) -> torch.Tensor:
         """The sorted pairs' routed outputs bf16 [P, D] by moe_prefill_fp4: gate and up in float32
         (as the reference keeps them), the SwiGLU with the routing weight, h's act_quant, then w2."""
         r = self.routed
         pairs = len(route_w)
-        tiles = prefill_tiles(bounds, xq.device)
+        tiles = prefill_tiles(ends, pairs)
         gate_up = torch.empty((pairs, 2 * r.inter), dtype=torch.float32, device=xq.device)
         self.prefill_gemm(((r.w1, r.s1), (r.w3, r.s3)), prefill_images(xq, sx, x_row, tiles), tiles, gate_up)
         hq, sh = act_quant(swiglu(gate_up, self.limit, route_w))
@@ -305,10 +316,11 @@ class Moe:
         shared = PREFILL_SLOTS_BYTES + 128 * k // 32  # and the CTA's rows' weight scales
         get_kernel("moe_prefill", "moe_prefill_fp4", images.device)((len(mats) * n // 128, tiles.shape[0], 1), 256, [p], shared=shared)
 
-    def _routed_bf16(self, x: torch.Tensor, x_row: torch.Tensor, bounds: list[int], ends: torch.Tensor, route_w: torch.Tensor) -> torch.Tensor:
+    def _routed_bf16(self, x: torch.Tensor, x_row: torch.Tensor, ends: torch.Tensor, route_w: torch.Tensor) -> torch.Tensor:
         """The sorted pairs' routed outputs bf16 [P, D] by torch._grouped_mm over the experts' bf16
         copy (gate and up rounded to bf16 there, which the reference keeps in float32)."""
         r = self.routed
+        bounds = [0] + ends.tolist()  # one host sync: the experts' runs, to slice them by group
         n_experts, inter, dim = r.w1.shape[0], r.inter, r.dim
         xs = act_fake_quant(x).index_select(0, x_row)
         y_sorted = torch.empty((len(route_w), dim), dtype=torch.bfloat16, device=x.device)

@@ -228,7 +228,7 @@ def test_prefill_gemm_sums_are_the_products_within_wgmma_precision(cuda, n, k, m
     x = random_activations(pairs, k, cuda)
     xq, sx = act_quant(x)
     gate_up = torch.full((pairs, len(mats) * n), float("nan"), dtype=torch.float32, device=cuda)
-    tiles = prefill_tiles(bounds, cuda)
+    tiles = prefill_tiles(torch.tensor(bounds[1:], device=cuda), pairs)
     Moe.prefill_gemm(tuple((permute_fp4(w), s) for w, s in mats), prefill_images(xq, sx, None, tiles), tiles, gate_up)
     xd = (xq.double().view(pairs, k // 128, 128) * sx.double().unsqueeze(-1)).view(pairs, k)
     worst = 0.0
