@@ -178,7 +178,7 @@ def test_readyz_is_503_while_the_worker_loads_and_200_once_it_has(server):
     history = server.readyz_history
     assert 503 in history, f"/readyz was never seen loading: {history[:5]}...{history[-5:]}"
     assert history[-1] == 200 and 503 not in history[history.index(200):]
-    log = server.log()
+    log = server.wait_for_log("ready: serving")  # logged just after /readyz turns 200: it may lag the last probe
     assert log.index("worker started") < log.index("weights loaded") < log.index("ready: serving")
     # a chat request during loading is refused the same way, with an OpenAI error body
     status, headers, raw = server.loading_probe
