@@ -8,9 +8,11 @@ cache sized for them)."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator
 
-from dsuf.gpu.attention import TILE, choose_splits
+from dsuf.gpu.attention import TILE, choose_splits, launch_room
 
 SMS = (132, 148)  # H200, B200
 ROWS = (1, 2, 3, 8, 16, 32, 64, 132, 300)
@@ -18,44 +20,31 @@ HEADS = (64, 32, 16, 8)
 N_IDX = (128, 160, 640, 2176, 8320, 128 + 65536 // 128)
 
 
-def launch(n_idx: int, rows: int, sms: int, heads: int) -> tuple[int, int]:
-    """(CTAs a row, splits allocated a row) of a launch for n_idx slots (sparse_attention's)."""
-    splits, _, head_tile = choose_splits(n_idx, rows, sms, heads)
-    return splits * math.ceil(heads / head_tile), splits
+def launches() -> Iterator[tuple[int, int, int, int, int, int]]:
+    """(sms, rows, heads, n_idx, CTAs a row, splits of room a row) of every launch shape checked."""
+    for sms, rows, heads, n_idx in itertools.product(SMS, ROWS, HEADS, N_IDX):
+        yield sms, rows, heads, n_idx, *launch_room(n_idx, rows, sms, heads)
 
 
 def test_a_row_plans_within_the_launch_and_its_partial_outputs() -> None:
-    for sms in SMS:
-        for rows in ROWS:
-            for heads in HEADS:
-                for n_idx in N_IDX:
-                    ctas, room = launch(n_idx, rows, sms, heads)
-                    for used in range(1, n_idx + 1, TILE // 2):
-                        splits, per_split, head_tile = choose_splits(used, rows, sms, heads, ctas=ctas)
-                        where = f"sms {sms}, rows {rows}, heads {heads}, n_idx {n_idx}, used {used}"
-                        assert splits * math.ceil(heads / head_tile) <= ctas, where
-                        assert splits <= room, where
-                        assert splits * per_split >= used and (splits - 1) * per_split < used, f"{where}: a split empty or a slot left out"
+    for sms, rows, heads, n_idx, ctas, room in launches():
+        for used in range(1, n_idx + 1, TILE // 2):
+            splits, per_split, head_tile = choose_splits(used, rows, sms, heads, ctas=ctas)
+            where = f"sms {sms}, rows {rows}, heads {heads}, n_idx {n_idx}, used {used}"
+            assert splits * math.ceil(heads / head_tile) <= ctas, where
+            assert splits <= room, where
+            assert splits * per_split >= used and (splits - 1) * per_split < used, f"{where}: a split empty or a slot left out"
 
 
 def test_a_row_using_every_slot_gets_the_launchs_plan() -> None:
-    for sms in SMS:
-        for rows in ROWS:
-            for heads in HEADS:
-                for n_idx in N_IDX:
-                    ctas, _ = launch(n_idx, rows, sms, heads)
-                    assert choose_splits(n_idx, rows, sms, heads, ctas=ctas) == choose_splits(n_idx, rows, sms, heads)
+    for sms, rows, heads, n_idx, ctas, _ in launches():
+        assert choose_splits(n_idx, rows, sms, heads, ctas=ctas) == choose_splits(n_idx, rows, sms, heads)
 
 
 def test_a_short_row_in_a_long_list_runs_as_in_a_list_sized_for_it() -> None:
-    for sms in SMS:
-        for rows in ROWS:
-            for heads in HEADS:
-                for n_idx in N_IDX:
-                    ctas, _ = launch(n_idx, rows, sms, heads)
-                    for used in range(1, n_idx + 1, TILE // 2):
-                        own = choose_splits(used, rows, sms, heads)
-                        if launch(used, rows, sms, heads)[0] <= ctas:
-                            assert choose_splits(used, rows, sms, heads, ctas=ctas) == own
+    for sms, rows, heads, n_idx, ctas, _ in launches():
+        for used in range(1, n_idx + 1, TILE // 2):
+            if launch_room(used, rows, sms, heads)[0] <= ctas:
+                assert choose_splits(used, rows, sms, heads, ctas=ctas) == choose_splits(used, rows, sms, heads)
     # The case the change was made for: an HCA row at 4k context in caches for 1M tokens, batch 1.
-    assert choose_splits(160, 1, 132, 64, ctas=launch(128 + (1 << 20) // 128, 1, 132, 64)[0]) == choose_splits(160, 1, 132, 64) == (5, 32, 16)
+    assert choose_splits(160, 1, 132, 64, ctas=launch_room(128 + (1 << 20) // 128, 1, 132, 64)[0]) == choose_splits(160, 1, 132, 64) == (5, 32, 16)

@@ -107,6 +107,13 @@ def choose_splits(n_idx: int, rows: int, sms: int, heads: int = HEADS, ctas: int
     return splits, per_split * TILE, 16 * math.ceil(head_tiles / groups)
 
 
+def launch_room(n_idx: int, rows: int, sms: int, heads: int = HEADS) -> tuple[int, int]:
+    """(CTAs a row, splits a row's partial outputs have room for) of a launch over n_idx index slots:
+    the plan for n_idx slots; a row using fewer is planned within these CTAs (choose_splits' ctas)."""
+    splits, _, head_tile = choose_splits(n_idx, rows, sms, heads)
+    return splits * math.ceil(heads / head_tile), splits
+
+
 def sparse_attention(
     q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float, out: torch.Tensor | None = None,
     inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None, used: torch.Tensor | None = None,
@@ -129,9 +136,8 @@ def sparse_attention(
     if used is not None and (used.dtype != torch.int32 or tuple(used.shape) != (rows,)):
         raise ValueError(f"sparse_attention: used must be int32 [{rows}], got {used.dtype} {tuple(used.shape)}")
     n_idx, sms = idx.shape[1], sm_count(q.device)
-    splits, _, head_tile = choose_splits(n_idx, rows, sms, heads)
+    ctas, splits = launch_room(n_idx, rows, sms, heads)
     assert splits <= COMBINE_SPLITS
-    ctas = splits * math.ceil(heads / head_tile)  # a row using fewer slots is planned within these
     # (one split a row: the attention kernel finishes each row itself, no partial outputs)
     part_o = torch.empty((rows, splits, HEADS, HEAD_DIM) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((rows, splits, HEADS, 2) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
