@@ -18,17 +18,24 @@
 // the sink to the denominator. With one split a row (prompt chunks: as many rows as SMs or more)
 // the CTA finishes its row itself and there is no combine.
 //
-// Warp roles (8 warps): for S, warp w computes heads 16 (w % 4) .. +16 x keys 16 (w / 4) .. +16;
-// the softmax runs 4 threads per head; for O, warp w owns dims 64 w .. +64 of all 64 heads
-// (128 fp32 accumulators a thread).
+// A CTA holds at most HM heads: sparse_attn_decode 64 (one CTA an SM), sparse_attn_decode_h32 32
+// (half the accumulators and shared memory: two CTAs an SM, so that one's gathers and barriers
+// overlap the other's tensor-core work) for a tensor-parallel rank's 32 heads or fewer and for
+// prompt chunks (64 heads: two CTAs a row). Both compute every head alike, bit for bit.
+//
+// Warp roles (8 warps): S is the sum of two halves of the 512 dims, each a chain of 16 mma k-steps
+// (half the dependent chain of one sum over all 512), added in the softmax: warp w takes a 16-head x
+// 16-key tile and both halves where the CTA has 64 heads, else one (tile, half) each, so that all
+// eight warps work; the softmax runs 4 threads per head; for O, warp w owns dims 64 w .. +64 of
+// the CTA's heads (HM / 16 x 32 fp32 accumulators a thread).
 #include "common.cuh"
 
-#define HEADS 64
+#define HEADS 64               // a row's query heads (part_o's room)
 #define DIM 512
 #define TILE 32                // KV entries per tile
 #define KV_ENTRY 584
 #define ROW (DIM + 8)          // bf16 row stride of Q and K in shared memory (conflict-free ldmatrix)
-#define S_ROW (TILE + 4)       // float row stride of the score tile
+#define S_ROW (TILE + 4)       // float row stride of the score tiles (one a half of the dims)
 #define P_ROW (TILE + 8)       // bf16 row stride of the probability tile
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -62,7 +69,7 @@ struct AttnPlan {
 
 DSUF_DEVICE int used_slots(const AttnParams& p, int row) { return p.used ? min(p.used[row], p.n_idx) : p.n_idx; }
 
-DSUF_DEVICE AttnPlan attn_plan(const AttnParams& p, int n) {
+DSUF_DEVICE AttnPlan attn_plan(const AttnParams& p, int n, int head_cap) {
   const int rows = gridDim.y, ctas = p.ctas;
   const int tiles = max(1, (n + TILE - 1) / TILE);
   const int want = max(1, min(tiles, min(ctas, p.sms / rows)));
@@ -74,18 +81,22 @@ DSUF_DEVICE AttnPlan attn_plan(const AttnParams& p, int n) {
       groups = g;
       break;
     }
+  groups = max(groups, (16 * head_tiles + head_cap - 1) / head_cap);  // no more heads a CTA than it holds
   const int head_tile = 16 * ((head_tiles + groups - 1) / groups);
   return {splits, per * TILE, head_tile, (p.heads + head_tile - 1) / head_tile};
 }
 
-// Shared memory of sparse_attn_decode, in bytes (the launcher asks for this much).
-#define SMEM_Q 0
-#define SMEM_K (SMEM_Q + HEADS * ROW * 2)
-#define SMEM_S (SMEM_K + TILE * ROW * 2)
-#define SMEM_P (SMEM_S + HEADS * S_ROW * 4)
-#define SMEM_ALPHA (SMEM_P + HEADS * P_ROW * 2)
-#define SMEM_IDX (SMEM_ALPHA + HEADS * 4)
-#define SMEM_BYTES (SMEM_IDX + TILE * 4)
+// Shared memory of a CTA holding up to HM heads, in bytes (dsuf.gpu.attention.attention_kernel mirrors it).
+template <int HM>
+struct AttnSmem {
+  static constexpr int q = 0;
+  static constexpr int k = q + HM * ROW * 2;
+  static constexpr int s = k + TILE * ROW * 2;  // the two halves' scores [2][HM][S_ROW]
+  static constexpr int p = s + 2 * HM * S_ROW * 4;
+  static constexpr int alpha = p + HM * P_ROW * 2;
+  static constexpr int idx = alpha + HM * 4;
+  static constexpr int bytes = idx + TILE * 4;
+};
 
 // One thread's share of a tile in flight: thread (entry e = tid / 8, part j = tid % 8) loads the
 // entry's 8-byte words j + 8 i (i < 7: nope dims 8 (j + 8 i) .., all in scale block i; i = 7, 8:
@@ -154,7 +165,8 @@ DSUF_DEVICE u32 out_pair(const AttnParams& p, int row, int d, float o0, float o1
 // A row of one split (a prompt chunk's rows): its output straight from the accumulators, by the
 // operations sparse_attn_combine would apply to this split alone (0 + x w as its first sum
 // rounds it). wl: 2 floats a head of shared memory no thread reads any more. Heads h0 .. h0+nh-1.
-DSUF_DEVICE void finish_row(const AttnParams& p, int row, int h0, int nh, float m_run, float l_run, const float (&acc)[4][8][4], float* wl) {
+template <int HM>
+DSUF_DEVICE void finish_row(const AttnParams& p, int row, int h0, int nh, float m_run, float l_run, const float (&acc)[HM / 16][8][4], float* wl) {
   const int tid = threadIdx.x, warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3, sr = tid >> 2, sq = tid & 3;
   if (sq == 0 && sr < nh) {
     const float ref = m_run == NEG_INF ? 0.0f : m_run;
@@ -165,7 +177,7 @@ DSUF_DEVICE void finish_row(const AttnParams& p, int row, int h0, int nh, float 
   __syncthreads();
   u16* out = p.out + ((i64)row * p.heads + h0) * DIM;
 #pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
+  for (int mt = 0; mt < HM / 16; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int h = 16 * mt + g + 8 * half;
@@ -180,21 +192,56 @@ DSUF_DEVICE void finish_row(const AttnParams& p, int row, int h0, int nh, float 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __grid_constant__ AttnParams p) {
+// Scores of heads 16 mt .. +16 x keys 16 nh .. +16 over dims halves kh .. kh + NH - 1 (256 each),
+// unscaled, into the halves' score tiles (NH = 2: both halves' chains interleaved).
+template <int NH>
+DSUF_DEVICE void score_tile(const u16* q_s, const u16* k_s, float* s_s, int hm, int mt, int nh, int kh) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  float s[NH][2][4];
+#pragma unroll
+  for (int h = 0; h < NH; ++h)
+#pragma unroll
+    for (int n = 0; n < 2; ++n) s[h][n][0] = s[h][n][1] = s[h][n][2] = s[h][n][3] = 0.0f;
+  const u16* qa = q_s + (16 * mt + (lane & 15)) * ROW + (lane >> 4) * 8 + kh * (DIM / 2);
+  const u16* kb = k_s + (16 * nh + (lane >> 4) * 8 + (lane & 7)) * ROW + ((lane >> 3) & 1) * 8 + kh * (DIM / 2);
+#pragma unroll 4
+  for (int ks = 0; ks < DIM / 32; ++ks)
+#pragma unroll
+    for (int h = 0; h < NH; ++h) {
+      u32 a[4], b[4];
+      ldmatrix_x4(a, qa + h * (DIM / 2) + 16 * ks);
+      ldmatrix_x4(b, kb + h * (DIM / 2) + 16 * ks);
+      mma_bf16(s[h][0], a, b[0], b[1]);
+      mma_bf16(s[h][1], a, b[2], b[3]);
+    }
+#pragma unroll
+  for (int h = 0; h < NH; ++h)
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      float* r0 = s_s + ((kh + h) * hm + 16 * mt + g) * S_ROW + 16 * nh + 8 * n + 2 * t;
+      float* r1 = r0 + 8 * S_ROW;
+      r0[0] = s[h][n][0], r0[1] = s[h][n][1];
+      r1[0] = s[h][n][2], r1[1] = s[h][n][3];
+    }
+}
+
+template <int HM>
+DSUF_DEVICE void attn_decode(const AttnParams& p) {
   // The plan comes first, from `used`, read before the PDL wait (see AttnParams, pdl_begin): the
   // CTAs past it leave at once, the others start gathering as soon as the wait ends.
+  using Smem = AttnSmem<HM>;
   const int row = blockIdx.y;
   const int used = used_slots(p, row);
-  const AttnPlan plan = attn_plan(p, used);
+  const AttnPlan plan = attn_plan(p, used, HM);
   if ((int)blockIdx.x >= plan.splits * plan.groups) return;
   pdl_begin();
   extern __shared__ __align__(16) u8 smem[];
-  u16* q_s = reinterpret_cast<u16*>(smem + SMEM_Q);
-  u16* k_s = reinterpret_cast<u16*>(smem + SMEM_K);
-  float* s_s = reinterpret_cast<float*>(smem + SMEM_S);
-  u16* p_s = reinterpret_cast<u16*>(smem + SMEM_P);
-  float* alpha_s = reinterpret_cast<float*>(smem + SMEM_ALPHA);
-  int* idx_s = reinterpret_cast<int*>(smem + SMEM_IDX);
+  u16* q_s = reinterpret_cast<u16*>(smem + Smem::q);
+  u16* k_s = reinterpret_cast<u16*>(smem + Smem::k);
+  float* s_s = reinterpret_cast<float*>(smem + Smem::s);
+  u16* p_s = reinterpret_cast<u16*>(smem + Smem::p);
+  float* alpha_s = reinterpret_cast<float*>(smem + Smem::alpha);
+  int* idx_s = reinterpret_cast<int*>(smem + Smem::idx);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int split = blockIdx.x / plan.groups;
@@ -212,10 +259,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
 
   const int ge = tid >> 3, gj = tid & 7;  // gather role
   const int sr = tid >> 2, sq = tid & 3;  // softmax role: head sr, keys 8 sq .. 8 sq + 7
+  const int tiles2 = 2 * (hp / 16);       // S's (16-head, 16-key) tiles
   float m_run = NEG_INF, l_run = 0.0f;
-  float acc[4][8][4];
+  float acc[HM / 16][8][4];
 #pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
+  for (int mt = 0; mt < HM / 16; ++mt)
 #pragma unroll
     for (int n = 0; n < 8; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
 
@@ -230,29 +278,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
     // alpha is 1, or 0 on accumulators that are still 0.
     if (!__syncthreads_or(present)) continue;
 
-    if (16 * (warp & 3) < hp) {  // S = Q K^T * scale for heads 16 mt .., keys 16 nh ..
-      const int mt = warp & 3, nh = warp >> 2;
-      float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-      const u16* qa = q_s + (16 * mt + (lane & 15)) * ROW + (lane >> 4) * 8;
-      const u16* kb = k_s + (16 * nh + (lane >> 4) * 8 + (lane & 7)) * ROW + ((lane >> 3) & 1) * 8;
-#pragma unroll 4
-      for (int ks = 0; ks < DIM / 16; ++ks) {
-        u32 a[4], b[4];
-        ldmatrix_x4(a, qa + 16 * ks);
-        ldmatrix_x4(b, kb + 16 * ks);
-        mma_bf16(s[0], a, b[0], b[1]);
-        mma_bf16(s[1], a, b[2], b[3]);
-      }
-#pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        const int col = 16 * nh + 8 * n + 2 * t;
-        float* r0 = s_s + (16 * mt + g) * S_ROW + col;
-        float* r1 = r0 + 8 * S_ROW;
-        r0[0] = s[n][0] * p.scale;
-        r0[1] = s[n][1] * p.scale;
-        r1[0] = s[n][2] * p.scale;
-        r1[1] = s[n][3] * p.scale;
-      }
+    if (2 * tiles2 <= 8) {  // a (tile, half) a warp
+      const int tile = warp % tiles2;
+      if (warp < 2 * tiles2) score_tile<1>(q_s, k_s, s_s, HM, tile >> 1, tile & 1, warp / tiles2);
+    } else if (warp < tiles2) {
+      score_tile<2>(q_s, k_s, s_s, HM, warp >> 1, warp & 1, 0);
     }
     __syncthreads();
 
@@ -260,7 +290,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
       float v[8], mx = NEG_INF;
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        v[k] = idx_s[8 * sq + k] >= 0 ? s_s[sr * S_ROW + 8 * sq + k] : NEG_INF;
+        const float* sk = s_s + sr * S_ROW + 8 * sq + k;
+        v[k] = idx_s[8 * sq + k] >= 0 ? __fmul_rn(__fadd_rn(sk[0], sk[HM * S_ROW]), p.scale) : NEG_INF;
         mx = fmaxf(mx, v[k]);
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -286,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
 
     {  // O = alpha O + P K for dims 64 warp ..
 #pragma unroll
-      for (int mt = 0; mt < 4; ++mt) {
+      for (int mt = 0; mt < HM / 16; ++mt) {
         if (16 * mt >= hp) break;
         const float a0 = alpha_s[16 * mt + g], a1 = alpha_s[16 * mt + g + 8];
 #pragma unroll
@@ -305,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
           ldmatrix_x4_trans(b[np], k_s + (16 * kstep + ((lane >> 3) & 1) * 8 + (lane & 7)) * ROW + 64 * warp + 16 * np +
                                        (lane >> 4) * 8);
 #pragma unroll
-        for (int mt = 0; mt < 4; ++mt) {
+        for (int mt = 0; mt < HM / 16; ++mt) {
           if (16 * mt >= hp) break;
           u32 a[4];
           ldmatrix_x4(a, p_s + (16 * mt + (lane & 15)) * P_ROW + 16 * kstep + (lane >> 4) * 8);
@@ -320,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
   }
 
   if (plan.splits == 1) {  // sparse_attn_combine's work for one split, here (the same operations)
-    finish_row(p, row, h0, n_heads, m_run, l_run, acc, s_s);
+    finish_row<HM>(p, row, h0, n_heads, m_run, l_run, acc, s_s);
     return;
   }
   const i64 part = (i64)row * p.splits + split;
@@ -330,7 +361,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
   }
   float* po = p.part_o + (part * HEADS + h0) * DIM;
 #pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
+  for (int mt = 0; mt < HM / 16; ++mt)
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
       const int h = 16 * mt + g, d = 64 * warp + 8 * n + 2 * t;
@@ -338,6 +369,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __
       if (h + 8 < n_heads) *reinterpret_cast<float2*>(po + (h + 8) * DIM + d) = make_float2(acc[mt][n][2], acc[mt][n][3]);
     }
 }
+
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_attn_decode(const __grid_constant__ AttnParams p) { attn_decode<64>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) sparse_attn_decode_h32(const __grid_constant__ AttnParams p) { attn_decode<32>(p); }
 
 // out[row, h] = sum_s w_s O_s / (sum_s w_s l_s + exp(sink[h] - M)), w_s = exp(m_s - M), M = max_s m_s;
 // the row's splits in order; then the inverse RoPE if cos_t is given. grid (heads, rows, parts),
@@ -352,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine(const __gr
   const int h = blockIdx.x, row = blockIdx.y, lane = threadIdx.x & 31, d = 4 * (threadIdx.x + blockDim.x * blockIdx.z);
   float* w_s = w_all[threadIdx.x >> 5];
   float* l_s = l_all[threadIdx.x >> 5];
-  const int splits = attn_plan(p, used_slots(p, row)).splits;
+  const int splits = attn_plan(p, used_slots(p, row), HEADS).splits;
   if (splits == 1) return;  // the attention kernel finished the row
   const float* ml = p.part_ml + (i64)row * p.splits * HEADS * 2;
   float mx = NEG_INF;

@@ -30,8 +30,17 @@ KV_BLOCK = 64  # nope dims per scale
 HEADS = 64
 TILE = 32  # entries per tile of the attention kernel
 _ROW = HEAD_DIM + 8
-SHARED_BYTES = HEADS * _ROW * 2 + TILE * _ROW * 2 + HEADS * (TILE + 4) * 4 + HEADS * (TILE + 8) * 2 + HEADS * 4 + TILE * 4
-"""Dynamic shared memory of sparse_attn_decode (mirror of SMEM_BYTES in sparse_attn.cu)."""
+
+
+def attention_kernel(heads: int, rows: int, sms: int) -> tuple[str, int, int]:
+    """(name, dynamic shared memory, most heads a CTA takes) of the attention kernel for `rows` rows
+    of `heads` query heads: CTAs of up to 32 heads (two an SM) where a rank has that few or a prompt
+    chunk's rows fill the SMs (64 heads then take two CTAs a row), else up to 64 (shared memory:
+    mirror of AttnSmem in sparse_attn.cu: q, a K tile, the two halves' scores, probabilities,
+    alphas, indices)."""
+    hm = 32 if heads <= 32 or rows >= sms else HEADS
+    shared = hm * _ROW * 2 + TILE * _ROW * 2 + 2 * hm * (TILE + 4) * 4 + hm * (TILE + 8) * 2 + hm * 4 + TILE * 4
+    return ("sparse_attn_decode_h32" if hm == 32 else "sparse_attn_decode"), shared, hm
 
 
 def new_pool(entries: int, device: torch.device | str) -> torch.Tensor:
@@ -91,12 +100,13 @@ class AttnParams(ctypes.Structure):
 COMBINE_SPLITS = 256  # most splits a row the combine takes (sparse_attn.cu)
 
 
-def choose_splits(n_idx: int, rows: int, sms: int, heads: int = HEADS, ctas: int | None = None) -> tuple[int, int, int]:
-    """(splits, index slots per split, heads a CTA takes): one CTA per SM (the kernel fills one),
-    so about sms / rows splits a row, never more than the row has tiles, none of them empty; where
+def choose_splits(n_idx: int, rows: int, sms: int, heads: int = HEADS, ctas: int | None = None, head_cap: int = HEADS) -> tuple[int, int, int]:
+    """(splits, index slots per split, heads a CTA takes): a CTA per SM (the 64-head kernel fills
+    one; for the 32-head kernel's two an SM a decode step's plan is the same), so about sms / rows splits a row, never more than the row has tiles, none of them empty; where
     that leaves SMs idle (a decode step's rows of a few tiles each), each split's heads are
     divided among 2 or 4 CTAs too (16-head MMA tiles). ctas: at most this many CTAs a row (the
-    kernel plans a row using fewer slots than it was launched for within the launch's CTAs)."""
+    kernel plans a row using fewer slots than it was launched for within the launch's CTAs);
+    head_cap: the most heads a CTA of the kernel holds."""
     cap = sms // max(1, rows) if ctas is None else min(ctas, sms // max(1, rows))
     tiles = max(1, math.ceil(n_idx / TILE))
     want = max(1, min(tiles, cap))
@@ -104,13 +114,14 @@ def choose_splits(n_idx: int, rows: int, sms: int, heads: int = HEADS, ctas: int
     splits = math.ceil(tiles / per_split)
     head_tiles = math.ceil(heads / 16)
     groups = next(g for g in (4, 2, 1) if g == 1 or (g <= head_tiles and rows * splits * g <= sms and (ctas is None or splits * g <= ctas)))
+    groups = max(groups, math.ceil(16 * head_tiles / head_cap))
     return splits, per_split * TILE, 16 * math.ceil(head_tiles / groups)
 
 
-def launch_room(n_idx: int, rows: int, sms: int, heads: int = HEADS) -> tuple[int, int]:
+def launch_room(n_idx: int, rows: int, sms: int, heads: int = HEADS, head_cap: int = HEADS) -> tuple[int, int]:
     """(CTAs a row, splits a row's partial outputs have room for) of a launch over n_idx index slots:
     the plan for n_idx slots; a row using fewer is planned within these CTAs (choose_splits' ctas)."""
-    splits, _, head_tile = choose_splits(n_idx, rows, sms, heads)
+    splits, _, head_tile = choose_splits(n_idx, rows, sms, heads, head_cap=head_cap)
     return splits * math.ceil(heads / head_tile), splits
 
 
@@ -136,7 +147,8 @@ def sparse_attention(
     if used is not None and (used.dtype != torch.int32 or tuple(used.shape) != (rows,)):
         raise ValueError(f"sparse_attention: used must be int32 [{rows}], got {used.dtype} {tuple(used.shape)}")
     n_idx, sms = idx.shape[1], sm_count(q.device)
-    ctas, splits = launch_room(n_idx, rows, sms, heads)
+    name, shared, head_cap = attention_kernel(heads, rows, sms)
+    ctas, splits = launch_room(n_idx, rows, sms, heads, head_cap)
     assert splits <= COMBINE_SPLITS
     # (one split a row: the attention kernel finishes each row itself, no partial outputs)
     part_o = torch.empty((rows, splits, HEADS, HEAD_DIM) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
@@ -155,7 +167,7 @@ def sparse_attention(
     p.part_o, p.part_ml, p.out = part_o.data_ptr(), part_ml.data_ptr(), out.data_ptr()
     p.n_idx, p.used, p.splits, p.ctas, p.sms, p.scale, p.heads = n_idx, used.data_ptr() if used is not None else 0, splits, ctas, sms, scale, heads
     p.cos_t, p.sin_t = (cos.data_ptr(), sin.data_ptr()) if cos is not None else (0, 0)
-    get_kernel("sparse_attn", "sparse_attn_decode", q.device)((ctas, rows, 1), 256, [p], shared=SHARED_BYTES)
+    get_kernel("sparse_attn", name, q.device)((ctas, rows, 1), 256, [p], shared=shared)
     if splits > 1:
         parts = 4 if rows * heads * 4 <= 2 * sms else 1  # CTAs a head's 512 dims take: a decode step's few rows spread wide
         get_kernel("sparse_attn", "sparse_attn_combine", q.device)((heads, rows, parts), HEAD_DIM // 4 // parts, [p])

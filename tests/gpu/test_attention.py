@@ -11,6 +11,7 @@ from gpu_checks import compare
 
 from dsuf.gpu.attention import (
     KV_ENTRY_BYTES,
+    attention_kernel,
     choose_splits,
     new_pool,
     pack_kv,
@@ -116,7 +117,8 @@ def check_attention(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, what
     sink = torch.randn(HEADS, device=q.device) * 2
     out = torch.full((rows, HEADS, DIM), float("nan"), dtype=torch.bfloat16, device=q.device)  # poison
     sparse_attention(q, pool, idx, sink, SCALE, out=out, used=used)
-    splits, per_split, head_tile = choose_splits(n, rows, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits, per_split, head_tile = choose_splits(n, rows, sms, head_cap=attention_kernel(HEADS, rows, sms)[2])
     ref = reference_attention(q, pool, idx, sink)
     rel, _ = compare(f"sparse attention {rows} rows x {n} entries ({splits} splits of {per_split}, {head_tile} heads a CTA, {what})", out, ref)
     # The kernel rounds probabilities to bf16 against each tile's running max, not the global max
@@ -166,12 +168,13 @@ def test_rows_of_one_step_using_different_slots(cuda):
     check_attention(q, pool, idx, "rows using 1 to all of their slots", used=used)
 
 
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, 300])
 @pytest.mark.parametrize("heads", [32, 16, 8])
 def test_a_tensor_parallel_ranks_heads_attend_as_within_all_64(cuda, heads, rows):
     """A rank of a split model holds 64 / world query heads: the kernel takes them as they are
-    and gives, bit for bit, what those heads get among all 64. (One row: the 64 heads are split
-    among four CTAs a split, 32 among two, 16 take one.)"""
+    (in CTAs of up to 32 heads, two an SM) and gives, bit for bit, what those heads get among all
+    64. (One row: the 64 heads are split among four CTAs a split, 32 among two, 16 take one; 300
+    rows, a prompt chunk's: a CTA a row finishes it.)"""
     n = 640
     pool = new_pool(rows * n, cuda)
     pack_kv(random_kv(rows * n, cuda), pool)
