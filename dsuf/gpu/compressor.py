@@ -170,13 +170,16 @@ def compress_chunk(
 ) -> None:
     """compress_decode for T rows of one sequence at positions first .. first + T - 1 (a prompt
     chunk) with its groups in parallel: the same entries and final state as the rows applied one
-    after another, in one launch whose clusters each take one group's rows.
+    after another, in one launch of a row a group.
 
     A group's pooling needs only its own rows and, for ratio 4, the previous group's; so every
-    group gets a state of its own, as the rows before it would have left it: the first group the
-    sequence's state (int64 `slot` [1] indexes state_kv / state_score), a later one empty current
-    rows and (ratio 4) the previous group's rows with their ape added. The last group's state is
-    the sequence's afterwards. kv, score, ape, norm, freqs, eps, pool, slots: as compress_decode."""
+    group gets a state of its own, as the rows before its last would have left it: the first group
+    the sequence's state (int64 `slot` [1] indexes state_kv / state_score), a later one empty
+    current rows and (ratio 4) the previous group's rows with their ape added; then each group's
+    rows in the chunk join its current rows (score + ape, what the kernel writes for a row that
+    completes nothing), and the kernel runs only the rows that complete a group, all at once. The
+    last group's state is the sequence's afterwards. kv, score, ape, norm, freqs, eps, pool,
+    slots: as compress_decode."""
     rows, channels = kv.shape
     ratio = ape.shape[0]
     first_group, last_group = first // ratio, (first + rows - 1) // ratio
@@ -186,6 +189,8 @@ def compress_chunk(
     states_score = torch.full_like(states_kv, float("-inf"))
     states_kv[0], states_score[0] = state_kv[slot][0], state_score[slot][0]
     positions = torch.arange(first, first + rows, device=device)
+    phase = positions % ratio
+    scored = score + ape[phase]
     if ratio == 4 and groups > 1:
         # Every group's rows as the state holds them once the group is complete (score + ape);
         # rows of the first group fed before this chunk are in the sequence's current rows.
@@ -194,12 +199,15 @@ def compress_chunk(
         done_score = torch.full_like(done_kv, float("-inf"))
         done_kv[:ratio], done_score[:ratio] = states_kv[0, ratio:], states_score[0, ratio:]
         done_kv[offset : offset + rows] = kv
-        done_score[offset : offset + rows] = score + ape[positions % ratio]
+        done_score[offset : offset + rows] = scored
         states_kv[1:, :ratio] = done_kv.view(groups, ratio, channels)[:-1]
         states_score[1:, :ratio] = done_score.view(groups, ratio, channels)[:-1]
-    starts = torch.arange(first_group + 1, last_group + 1, device=device) * ratio - first  # rows that begin a group
-    runs = torch.cat((starts.new_zeros(1), starts, starts.new_full((1,), rows))).to(torch.int32)
-    compress_decode(kv, score, positions.to(torch.int32), states_kv, states_score, ape, norm, freqs, eps, pool, slots,
-                    state_rows=positions // ratio - first_group, runs=runs)
+    group = positions // ratio - first_group
+    current = (ratio if ratio == 4 else 0) + phase  # the state row a row joins (a completing row's is reset by the kernel)
+    states_kv[group, current], states_score[group, current] = kv, scored
+    first_end = (ratio - 1 - first) % ratio
+    ends = torch.arange(first_end, max(first_end, rows), ratio, device=device)  # the rows that complete a group
+    compress_decode(kv[ends], score[ends], positions[ends].to(torch.int32), states_kv, states_score, ape, norm, freqs, eps, pool, slots[ends],
+                    state_rows=group[ends])
     state_kv.index_copy_(0, slot, states_kv[-1:])
     state_score.index_copy_(0, slot, states_score[-1:])
