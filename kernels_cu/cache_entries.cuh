@@ -51,6 +51,7 @@ DSUF_DEVICE void kv_entry_fp8(const u16* src, u8* entry, int lane) {
 
 #define IDX_DIM 128
 #define IDX_ENTRY 68
+#define HADAMARD_SCALE ((float)0.08838834764831845)  // f32(128**-0.5): quant.hadamard_matrix(128)'s entries
 #define FP4_AMAX_FLOOR __int_as_float(0x01c00000)  // 6 * 2**-126
 #define FP4_MAX_INV __int_as_float(0x3e2aaaab)  // float32(1/6)
 

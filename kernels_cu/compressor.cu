@@ -25,7 +25,6 @@
 
 #define NEG_INF __int_as_float(0xff800000)
 #define CH 64  // pooled channels per CTA
-#define HADAMARD_SCALE ((float)0.08838834764831845)  // f32(128**-0.5): quant.hadamard_matrix(128)'s entries
 
 struct CompressParams {
   const float* kv;     // [B, C] the token's projections, rows kv_stride floats apart

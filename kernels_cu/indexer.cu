@@ -15,7 +15,7 @@
 // count get -inf.
 //
 // fp4_quant_rows: the FP4 fake-quant of queries and keys (see below), as e4m3 values + scales or
-// as 68-byte entries.
+// as 68-byte entries; index_query_fp4: a query's RoPE, Hadamard rotation and FP4 fake-quant.
 //
 // topk_select: per row, the indices of the k largest scores among its first n, ties to the lower
 // index (the reference's stable descending sort), written in ascending index order plus an offset
@@ -234,6 +234,55 @@ extern "C" __global__ void __launch_bounds__(256) fp4_quant_rows(
     if ((lane & 7) == 0) q_scale[(i64)row * 4 + (lane >> 3)] = pow2f(e);
   }
   if (pool) index_entry_fp4(pool + dst[row] * IDX_ENTRY, code, e, lane);
+}
+
+// index_query_fp4: an indexer query head from wq_b to what index_scores reads, in one launch (the
+// reference: RoPE on the trailing 64 dims, quant.hadamard_transform, then the FP4 fake-quant).
+// The rotation is the compressor's for index keys: the signed sums of the 128 bf16 values are
+// exact in float64 (a Walsh-Hadamard butterfly, in whatever order), times f32(128**-0.5), rounded
+// to float32 then bf16 (the reference's float32 matmul rounds its running sums: it differs from
+// the exact rotation by a bf16 rounding now and then). x bf16 [rows * heads, 128]; cos / sin
+// float32 [rows, 32]; writes the grid values as e4m3 and the scales as fp4_quant_rows does. One
+// warp a head, 4 dims a lane.
+extern "C" __global__ void __launch_bounds__(256) index_query_fp4(
+    const u16* __restrict__ x, const float* __restrict__ cos_t, const float* __restrict__ sin_t, int rows, int heads,
+    u8* __restrict__ q, float* __restrict__ q_scale) {
+  pdl_begin();
+  const int lane = threadIdx.x & 31;
+  const int head = blockIdx.x * 8 + (threadIdx.x >> 5), row = head / heads;
+  if (row >= rows) return;  // whole warps leave together
+  uint2 raw = *reinterpret_cast<const uint2*>(x + (i64)head * IDX_DIM + 4 * lane);
+  if (lane >= 16) {  // dims 64 .. 127: pairs 2 lane - 32, 2 lane - 31 of the row's rotation
+    const int pair = 2 * lane - 32;
+    raw.x = rotate_pair(raw.x, cos_t[row * ROPE_PAIRS + pair], sin_t[row * ROPE_PAIRS + pair]);
+    raw.y = rotate_pair(raw.y, cos_t[row * ROPE_PAIRS + pair + 1], sin_t[row * ROPE_PAIRS + pair + 1]);
+  }
+  // y_j = sum_i (-1)^popc(i & j) x_i over i = 4 lane + k: the index's two low bits within the lane,
+  // its five high bits across lanes.
+  double v[4] = {bf16_to_f32(raw.x & 0xffff), bf16_to_f32(raw.x >> 16), bf16_to_f32(raw.y & 0xffff), bf16_to_f32(raw.y >> 16)};
+#pragma unroll
+  for (int bit = 1; bit < 4; bit <<= 1)
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (!(k & bit)) {
+        const double a = v[k], b = v[k | bit];
+        v[k] = a + b, v[k | bit] = a - b;
+      }
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const double other = __shfl_xor_sync(0xffffffffu, v[k], m);
+      v[k] = lane & m ? other - v[k] : v[k] + other;
+    }
+  float y[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) y[k] = bf16_to_f32(f32_to_bf16((float)(v[k] * (double)HADAMARD_SCALE)));
+  u32 code[4];
+  float grid[4];
+  const int e = fp4_quant4(y, code, grid);
+  *reinterpret_cast<u32*>(q + (i64)head * IDX_DIM + 4 * lane) = f32x2_to_e4m3x2(grid[0], grid[1]) | (f32x2_to_e4m3x2(grid[2], grid[3]) << 16);
+  if ((lane & 7) == 0) q_scale[(i64)head * 4 + (lane >> 3)] = pow2f(e);
 }
 
 // ---- top-k -----------------------------------------------------------------------------------

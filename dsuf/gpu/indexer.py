@@ -51,6 +51,26 @@ def fp4_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def index_query_fp4(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index queries as index_scores takes them, from wq_b's bf16 heads q [rows, H, 128] and the
+    rows' RoPE (cos, sin float32 [rows, 32]): the RoPE of the trailing 64 dims, the Hadamard
+    rotation (the sums exact, as the compressor rotates index keys) and `fp4_quantize`, in one
+    launch (kernels_cu/indexer.cu index_query_fp4)."""
+    rows, heads = q.shape[0], q.shape[1]
+    if q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[2] != INDEX_DIM:
+        raise ValueError(f"index_query_fp4: need bf16 q [rows, H, {INDEX_DIM}], got {q.dtype} {tuple(q.shape)}")
+    if tuple(cos.shape) != (rows, 32) or tuple(sin.shape) != (rows, 32) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"index_query_fp4: cos / sin must be float32 [{rows}, 32]")
+    out = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
+    scale = torch.empty((rows, heads, INDEX_DIM // FP4_BLOCK), dtype=torch.float32, device=q.device)
+    if rows:
+        get_kernel("indexer", "index_query_fp4", q.device)(
+            (math.ceil(rows * heads / 8), 1, 1), 256,
+            [ptr(q.contiguous()), ptr(cos.contiguous()), ptr(sin.contiguous()), ctypes.c_int(rows), ctypes.c_int(heads), ptr(out), ptr(scale)],
+        )
+    return out, scale
+
+
 def pack_index_keys(keys: torch.Tensor, pool: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 keys [n, 128] -> their FP4 fake-quant as 68-byte entries, written to pool[rows]
     (int64 [n]) or, without a pool, to a new uint8 [n, 68]. Returns the pool."""
@@ -138,7 +158,10 @@ def index_scores(
         if t.dtype != torch.int32 or tuple(t.shape) != (rows,):
             raise ValueError(f"index_scores: {name} must be int32 [{rows}]")
     scores = torch.empty((rows, max_keys), dtype=torch.float32, device=q.device)
-    ctas = min(256, math.ceil(max_keys / 128))  # a row's 128-key blocks go round them: up to 8 a CTA at 1M context
+    # A row's 128-key blocks go round its CTAs: spread over the SMs for a decode step's few rows
+    # (up to 8 blocks a CTA at 1M context); a prompt chunk's many rows take a CTA each, which loads
+    # the row's queries once for all its blocks.
+    ctas = min(256, math.ceil(max_keys / 128), max(1, math.ceil(8 * sm_count(q.device) / max(1, rows))))
     if weights.dtype != torch.float32 or tuple(weights.shape) != (rows, INDEX_HEADS) or weights.stride(1) != 1:
         weights = weights.float().contiguous()
     q, q_scale = q.contiguous(), q_scale.float().contiguous()

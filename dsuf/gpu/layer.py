@@ -27,19 +27,17 @@ from dataclasses import dataclass
 
 import torch
 
-from dsuf.model import quant
 from dsuf.model.config import ModelConfig
 from dsuf.model.layers import Rope
 
 from .attention import new_pool, pack_kv, sparse_attention
 from .compressor import compress_chunk, compress_decode
 from .gemv import fp8_grouped_gemv
-from .indexer import INDEX_ENTRY_BYTES, fp4_quantize, index_scores, topk_indices
+from .indexer import INDEX_ENTRY_BYTES, index_query_fp4, index_scores, topk_indices
 from .linear import Fp8Linear
 from .mhc import HcSite, hc_expand
 from .moe import Fp4Experts, Fp8Expert, Moe
 from .norm import rms_norm, rms_norm_fp8
-from .rope import rope_
 from .router import Router
 from .tp import TensorParallel
 
@@ -220,8 +218,7 @@ def has_mm_out_dtype(device: torch.device) -> bool:
 
 class DecodeLayer:
     """One decode layer on the GPU path: the kernels of dsuf.gpu where they exist, torch for the
-    compressors' projections (cuBLAS is as fast as our GEMV there) and the indexer's Hadamard
-    rotation of queries. With `tp`, `t` holds this rank's shard (tp.shard) and the attention and
+    compressors' projections (cuBLAS is as fast as our GEMV there). With `tp`, `t` holds this rank's shard (tp.shard) and the attention and
     MoE outputs are all-reduced."""
 
     def __init__(self, c: ModelConfig, layer: int, t: dict[str, torch.Tensor], device: torch.device, tp: TensorParallel | None = None,
@@ -287,8 +284,6 @@ class DecodeLayer:
         parts = []
         if self.ratio:
             parts.append(f"compressor projections ({'torch.mm bf16 -> fp32' if self.mm_out_dtype else 'fp32 matmul'})")
-        if self.ratio == 4:
-            parts.append("indexer: the Hadamard rotation of queries")
         return parts
 
     def _project(self, y: torch.Tensor) -> list[torch.Tensor]:
@@ -338,7 +333,7 @@ class DecodeLayer:
         def index_query(b: dict) -> None:
             rows = b[f"{L}.y"].shape[0]
             qi = self.idx_wq_b.forward_quantized(*b[f"{L}.qr_q"]).view(rows, c.index_n_heads, c.index_head_dim)
-            b[f"{L}.qi"] = fp4_quantize(quant.hadamard_transform(rope_(qi, ix.cos, ix.sin)))
+            b[f"{L}.qi"] = index_query_fp4(qi, ix.cos, ix.sin)
 
         def index_select(b: dict) -> None:
             scores = index_scores(*b[f"{L}.qi"], b[f"{L}.weights"], cache.keys, ix.key_start, ix.n_keys, ix.max_keys or cache.n_max,
@@ -395,7 +390,7 @@ class DecodeLayer:
 
         out = [Stage(f"L{L} mHC mixes + collapse + norm (Sinkhorn alongside)", "kernels", mhc_attn)]
         compressors = f"the {kind} compressor{'s' if ratio == 4 else ''} (projections; pooling, norm, RoPE, entry write)" if ratio else ""
-        index_query_note = "the indexer query (wq_b, RoPE, FP4; Hadamard in torch)" if ratio == 4 else ""
+        index_query_note = "the indexer query (wq_b; RoPE, Hadamard, FP4)" if ratio == 4 else ""
         alongside = ", ".join(part for part in ("the kv projection, norm, RoPE and window write", compressors, index_query_note) if part)
         out.append(Stage(f"L{L} q projections, norms, RoPE; alongside, {alongside}", "kernels + torch" if ratio else "kernels", attention_inputs))
         if ratio == 4:

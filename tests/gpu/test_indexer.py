@@ -12,12 +12,15 @@ import torch.nn.functional as F
 
 from dsuf.gpu.indexer import (
     fp4_quantize,
+    index_query_fp4,
     index_scores,
     pack_index_keys,
     topk_indices,
     unpack_index_keys,
 )
+from dsuf.gpu.rope import rope_
 from dsuf.model import quant
+from dsuf.model.layers import Rope
 from dsuf.model.v4 import select_topk
 
 HEADS, DIM, TOPK = 64, 128, 512
@@ -58,6 +61,30 @@ def test_fp4_quantize_is_the_reference_fake_quant(cuda):
     assert int((pool.sum(-1) != 0).sum()) <= 500, "wrote outside its rows"
 
 
+@pytest.mark.parametrize("rows", [1, 37])
+def test_index_query_fp4_is_rope_then_the_hadamard_rotation_then_fp4(cuda, rows):
+    """wq_b's bf16 heads to what index_scores reads, in one launch: RoPE on the trailing 64 dims,
+    the Hadamard rotation with its sums exact (as the compressor rotates index keys) times
+    f32(128**-0.5), the FP4 fake-quant; bit for bit. The reference rotates by a float32 matmul,
+    whose rounded running sums move a value across a bf16 rounding now and then."""
+    x = torch.randn(rows, HEADS, DIM, device=cuda) * torch.exp2(torch.randint(-3, 4, (rows, HEADS, 1), device=cuda).float())
+    x = x.to(torch.bfloat16)
+    rope = Rope(64, 160000.0, (16.0, 65536, 32.0, 1.0))  # V4-Flash compressed layers: YaRN
+    rope.freqs = rope.freqs.to(cuda)
+    cos, sin = rope.cos_sin(torch.randint(0, 1 << 16, (rows,), device=cuda))
+    q8, qs = index_query_fp4(x, cos, sin)
+    rotated = rope_(x.clone(), cos, sin)
+    signs = torch.sign(quant.hadamard_matrix(DIM)).double().to(cuda)
+    scale = float(torch.tensor(DIM**-0.5, dtype=torch.float32))
+    exact = ((rotated.double() @ signs) * scale).float().to(torch.bfloat16)
+    e8, es = fp4_quantize(exact)
+    assert torch.equal(q8.view(torch.uint8), e8.view(torch.uint8)) and torch.equal(qs, es)
+    r8, rs = fp4_quantize(quant.hadamard_transform(rotated))
+    same = float(((q8.float() * qs.repeat_interleave(32, -1)) == (r8.float() * rs.repeat_interleave(32, -1))).float().mean())
+    print(f"\n  index queries: {same:.5f} of the FP4 values as the reference's float32 rotation gives them")
+    assert same > 0.999
+
+
 # Block magnitudes over 10 octaves (the kernel's float64 path: block scales too far apart for exact
 # float32 sums) or 3 (as after the Hadamard rotation: its float32 path), and both in one row.
 @pytest.mark.parametrize("octaves", [10, 3, "3 and 10"])
@@ -94,6 +121,22 @@ def test_index_scores(cuda, n_keys, max_keys, octaves):
     # Bit-exact but where float64 sums in another order land on the other side of a rounding.
     assert unequal <= max(2, sum(n_keys) // 10000)
     assert worst_rel <= 2**-7  # one bf16 ulp
+
+
+def test_a_prompt_chunks_rows_score_as_a_decode_steps(cuda):
+    """A prompt chunk's rows share one sequence's keys, each seeing those before its position: the
+    launch gives each row a CTA (its queries loaded once for all its key blocks) where a decode
+    step's few rows spread their blocks over the SMs. Every key's score is the same, bit for bit."""
+    rows, keys_max = 1200, 2048
+    q8, qs = fp4_quantize(fp4_values((rows, HEADS, DIM), cuda, 3))
+    w = (torch.randn(rows, HEADS, device=cuda) * 4).to(torch.bfloat16).float() * (DIM**-0.5 * HEADS**-0.5)
+    pool = pack_index_keys(fp4_values((keys_max, DIM), cuda, 3))
+    start = torch.zeros(rows, dtype=torch.int32, device=cuda)
+    n = (torch.arange(rows, device=cuda) * keys_max // rows + 1).int()  # 1 .. 2047 keys
+    chunk = index_scores(q8, qs, w, pool, start, n, keys_max)
+    for first in (0, 597, rows - 8):  # a decode step of 8 of those rows
+        step = index_scores(q8[first : first + 8], qs[first : first + 8], w[first : first + 8], pool, start[:8], n[first : first + 8], keys_max)
+        assert torch.equal(step, chunk[first : first + 8])
 
 
 def test_index_scores_form_the_head_weights_from_the_raw_projection(cuda):
