@@ -315,7 +315,9 @@ class DecodeLayer:
             if site.ready is not None:
                 b[f"{L}.comb{READY}"] = site.ready
 
-        def compress(b: dict) -> None:
+        def compress(b: dict) -> list[torch.cuda.Stream]:
+            """The projections, then the KV compressor; the index compressor (CSA) on a stream of
+            its own (the two are independent). Returns the streams left to wait for."""
             def run(kv: torch.Tensor, score: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], ape: torch.Tensor, norm: torch.Tensor,
                     pool: torch.Tensor, dst: torch.Tensor) -> None:
                 if ix.chunk_start is None:
@@ -325,10 +327,13 @@ class DecodeLayer:
                     compress_chunk(kv, score, ix.chunk_start, *state, b["slots"][:1], ape, norm, self.rope.freqs, c.norm_eps, pool, dst)
 
             parts = self._project(b[f"{L}.y"])
-            run(parts[0], parts[1], (cache.comp_kv, cache.comp_score), self.ape, self.comp_norm, cache.pool, ix.comp_slot)
+            later = []
             if ratio == 4:
-                run(parts[2], parts[3], (cache.idx_kv, cache.idx_score), self.idx_ape, self.idx_norm, cache.keys, ix.key_row)
+                later.append(self._alongside("index compressor", lambda: run(parts[2], parts[3], (cache.idx_kv, cache.idx_score), self.idx_ape,
+                                                                             self.idx_norm, cache.keys, ix.key_row), parts[2:4]))
                 b[f"{L}.weights"] = parts[4]  # weights_proj(y) in float32; index_scores rounds it to bf16 and scales it
+            run(parts[0], parts[1], (cache.comp_kv, cache.comp_score), self.ape, self.comp_norm, cache.pool, ix.comp_slot)
+            return later
 
         def index_query(b: dict) -> None:
             rows = b[f"{L}.y"].shape[0]
@@ -370,7 +375,10 @@ class DecodeLayer:
             # is made, the indexer's query (CSA). All joined before the stage ends.
             y = b[f"{L}.y"]
             main, rows = torch.cuda.current_stream(y.device), y.shape[0]
-            sides = [self._alongside("compressors", lambda: compress(b), [y])] if ratio else []
+            sides, later = [], []
+            if ratio:
+                sides.append(self._alongside("compressors", lambda: later.extend(compress(b)), [y]))
+                sides += later
             xq, sx = b[f"{L}.yq"]
 
             def window_kv() -> None:
