@@ -3,7 +3,7 @@
 // per-head q norm). hc_collapse_rmsnorm first collapses the mHC streams, y = sum_i pre_i X_i in
 // float64 rounded to float32 then bf16 (layers.hc_collapse), and normalises that: the pair that
 // precedes every attention and MoE block. rmsnorm_rope_bf16 then rotates the last 64 dims of
-// each row as rope.cu does (GPT-J pairs, products and sums rounded, on the bf16 output): the
+// each row as layers.Rope.apply does (GPT-J pairs, products and sums rounded, on the bf16 output): the
 // per-head q norm and the kv norm, each followed by RoPE. hc_pre_collapse_rmsnorm_bf16 is
 // hc_collapse_rmsnorm_bf16 with pre formed from the mHC site's mixes in the kernel (a decode
 // site's block input: mhc.cu makes post and comb meanwhile). One CTA of 256 threads per row, 8

@@ -56,7 +56,7 @@ struct AttnParams {
   float scale;         // softmax scale (head_dim ** -0.5)
   int heads;           // query heads a row has (a tensor-parallel rank's share of 64)
   const float* cos_t;  // [rows, 32] or null: sparse_attn_combine then rotates the output's last
-  const float* sin_t;  // 64 dims back by the row's position (rope.cu's inverse, on the bf16 output)
+  const float* sin_t;  // 64 dims back by the row's position (layers.Rope.apply's inverse, on the bf16 output)
 };
 
 // How a row's used slots are spread over the launch's CTAs (mirror of dsuf.gpu.attention.choose_splits

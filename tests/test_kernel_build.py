@@ -114,7 +114,7 @@ def test_compile_error_names_the_kernel_and_shows_the_log(tmp_path):
 def test_every_kernel_compiles(tmp_path, arch):
     """Every kernels_cu/*.cu, for Hopper and Blackwell."""
     sources = load_sources()
-    assert {s.name for s in sources} >= {"act_quant", "gemm", "indexer", "kv_cache", "mhc", "moe_combine", "rmsnorm", "rope", "router", "sparse_attn"}
+    assert {s.name for s in sources} >= {"act_quant", "gemm", "indexer", "kv_cache", "mhc", "moe_combine", "rmsnorm", "router", "sparse_attn"}
     cache = KernelCache(tmp_path)
     for r in build.build_all([arch], cache):
         assert r.compiled and r.size > 0, r

@@ -9,7 +9,6 @@
 - moe.py      the MoE: routed FP4 experts and the FP8 shared expert (decode kernels; prompt chunks)
 - norm.py     RMSNorm, alone and fused with the mHC stream collapse
 - mhc.py      mHC coefficients (mixes, Sinkhorn) and the stream update
-- rope.py     rotary embedding, in place
 - attention.py  FP8 KV entries (584 bytes) and sparse MQA decode over them, flash-decoding splits
 - indexer.py  the lightning indexer at decode: FP4 index-key scores, top-k
 - router.py   the MoE router (sqrt-softplus scores, biased top-k or hash routing)

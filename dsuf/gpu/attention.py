@@ -133,7 +133,7 @@ def sparse_attention(
     heads) against the pool entries named by idx int32 [rows, n] (< 0: none), with attention sinks
     float32 [H] -> bf16 [rows, H, 512]. Each row must name at least one entry. inverse_rope =
     (cos, sin) float32 [rows, 32]: the output's last 64 dims are then rotated back as
-    rope.rope_(out, cos, sin, inverse=True) would, in the same launch. used = int32 [rows]: row r's
+    layers.Rope.apply(out, (cos, sin), inverse=True) would, in the same launch. used = int32 [rows]: row r's
     slots from used[r] on name no entry (a cache sized for more than the rows see: the work
     follows what each row uses, not n); the kernel reads it before its PDL wait, so it must not be
     written by the launch just before this call's (the decode step writes it at the step's start)."""

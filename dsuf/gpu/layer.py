@@ -218,8 +218,8 @@ def has_mm_out_dtype(device: torch.device) -> bool:
 
 class DecodeLayer:
     """One decode layer on the GPU path: the kernels of dsuf.gpu where they exist, torch for the
-    compressors' projections (cuBLAS is as fast as our GEMV there). With `tp`, `t` holds this rank's shard (tp.shard) and the attention and
-    MoE outputs are all-reduced."""
+    compressors' projections (cuBLAS is as fast as our GEMV there). With `tp`, `t` holds this
+    rank's shard (tp.shard) and the attention and MoE outputs are all-reduced."""
 
     def __init__(self, c: ModelConfig, layer: int, t: dict[str, torch.Tensor], device: torch.device, tp: TensorParallel | None = None,
                  prefix: str | None = None) -> None:

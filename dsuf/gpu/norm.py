@@ -76,7 +76,7 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> Fp
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """bf16 [..., D] normalised over the last dim, times weight (float32 [D]) if given. With
     rope = (cos, sin) float32 [P, 32] (x [P, ...]: P positions), the last 64 dims of every row are
-    then rotated as rope.rope_ would (in the same launch)."""
+    then rotated as layers.Rope.apply would (in the same launch)."""
     if x.dtype != torch.bfloat16:
         raise ValueError(f"rms_norm: expected bfloat16, got {x.dtype}")
     d = x.shape[-1]

@@ -1,7 +1,7 @@
 """Decode attention against the reference: the 584-byte FP8 KV entries against the reference's KV
 fake-quant, the sparse MQA kernel against layers.sink_attention (reference numerics) over the
-keys those entries hold, and the RoPE kernel against layers.Rope.apply. V4-Flash shapes: 64
-heads of 512 (448 nope + 64 rope), one KV head, attention sinks."""
+keys those entries hold (its output's inverse RoPE against layers.Rope.apply). V4-Flash shapes:
+64 heads of 512 (448 nope + 64 rope), one KV head, attention sinks."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from dsuf.gpu.attention import (
     sparse_attention,
     unpack_kv,
 )
-from dsuf.gpu.rope import rope_
 from dsuf.model import quant
 from dsuf.model.layers import Numerics, Rope, sink_attention
 
@@ -187,25 +186,11 @@ def test_a_tensor_parallel_ranks_heads_attend_as_within_all_64(cuda, heads, rows
     assert share.shape == (rows, heads, DIM) and torch.equal(share, every[:, first : first + heads])
 
 
-@pytest.mark.parametrize("heads, dim, inverse", [(64, 512, False), (1, 512, False), (64, 128, False), (64, 512, True)])
-def test_rope(cuda, heads, dim, inverse):
-    rows = 8
-    rope = Rope(64, 160000.0, (16.0, 65536, 32.0, 1.0))  # V4-Flash compressed layers: YaRN
-    rope.freqs = rope.freqs.to(cuda)
-    positions = torch.randint(0, 1 << 20, (rows,), device=cuda)
-    cos, sin = rope.cos_sin(positions)
-    x = (torch.randn(rows, heads, dim, device=cuda) * 3).to(torch.bfloat16)
-    ref = rope.apply(x, (cos, sin), inverse=inverse)
-    got = rope_(x.clone(), cos, sin, inverse=inverse)
-    compare(f"rope {'inverse ' if inverse else ''}[{rows}, {heads}, {dim}]", got, ref)
-    assert torch.equal(got, ref)
-
-
 @pytest.mark.parametrize("rows, heads", [(1, 64), (8, 32), (300, 64)])
 def test_attention_with_the_inverse_rope_is_attention_then_the_rotation(cuda, rows, heads):
     """The output's rope dims rotated back in the splits' combine (or, one split a row, in the
-    attention kernel): bit for bit the attention, then rope_(inverse=True) (each row at its own
-    position)."""
+    attention kernel): bit for bit the attention, then the reference's inverse rotation (each row at
+    its own position)."""
     n = 128 + 512
     pool = new_pool(rows * n, cuda)
     pack_kv(random_kv(rows * n, cuda), pool)
@@ -216,5 +201,5 @@ def test_attention_with_the_inverse_rope_is_attention_then_the_rotation(cuda, ro
     rope.freqs = rope.freqs.to(cuda)
     cos, sin = rope.cos_sin(torch.randint(0, 1 << 20, (rows,), device=cuda))
     fused = sparse_attention(q, pool, idx, sink, SCALE, inverse_rope=(cos, sin))
-    apart = rope_(sparse_attention(q, pool, idx, sink, SCALE), cos, sin, inverse=True)
+    apart = rope.apply(sparse_attention(q, pool, idx, sink, SCALE), (cos, sin), inverse=True)
     assert torch.equal(fused, apart)

@@ -18,7 +18,6 @@ from dsuf.gpu.attention import KV_ENTRY_BYTES, pack_kv
 from dsuf.gpu.compressor import compress_chunk, compress_decode
 from dsuf.gpu.indexer import INDEX_ENTRY_BYTES, pack_index_keys, unpack_index_keys
 from dsuf.gpu.norm import rms_norm
-from dsuf.gpu.rope import rope_
 from dsuf.model import quant
 from dsuf.model.layers import Compressor, Numerics, Rope, Weights
 from dsuf.model.state import CompressorState
@@ -256,7 +255,7 @@ def test_compress_decode_timing(cuda, batch):
     def torch_stage(kind: str, c: Case, index: bool = False) -> None:
         kv, score, _, st_kv, st_score = args[kind]
         latent = rms_norm(_torch_pool(kv, score + c.ape_d[c.ratio - 1], st_kv, st_score, c.ratio, c.width), c.norm_d, EPS)
-        latent = rope_(latent.view(batch, 1, c.width), cos, sin).view(batch, c.width)
+        latent = ROPE.apply(latent.view(batch, 1, c.width), (cos, sin)).view(batch, c.width)
         if index:
             pack_index_keys(quant.hadamard_transform(latent), c.pool, c.slots)
         else:

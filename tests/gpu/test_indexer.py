@@ -18,7 +18,6 @@ from dsuf.gpu.indexer import (
     topk_indices,
     unpack_index_keys,
 )
-from dsuf.gpu.rope import rope_
 from dsuf.model import quant
 from dsuf.model.layers import Rope
 from dsuf.model.v4 import select_topk
@@ -73,7 +72,7 @@ def test_index_query_fp4_is_rope_then_the_hadamard_rotation_then_fp4(cuda, rows)
     rope.freqs = rope.freqs.to(cuda)
     cos, sin = rope.cos_sin(torch.randint(0, 1 << 16, (rows,), device=cuda))
     q8, qs = index_query_fp4(x, cos, sin)
-    rotated = rope_(x.clone(), cos, sin)
+    rotated = rope.apply(x, (cos, sin))
     signs = torch.sign(quant.hadamard_matrix(DIM)).double().to(cuda)
     scale = float(torch.tensor(DIM**-0.5, dtype=torch.float32))
     exact = ((rotated.double() @ signs) * scale).float().to(torch.bfloat16)

@@ -81,8 +81,7 @@ def test_hc_collapse_rms_norm(cuda, tokens):
 )
 def test_rms_norm_with_rope_is_the_norm_then_the_rotation(cuda, shape, weighted):
     """The per-head q norm and the kv norm, each with its RoPE in the same launch: bit for bit
-    what rms_norm then rope_ give (rows of one position share its cos / sin)."""
-    from dsuf.gpu.rope import rope_
+    what rms_norm then the reference's rotation give (rows of one position share its cos / sin)."""
     from dsuf.model.layers import Rope
 
     positions = shape[0]
@@ -92,5 +91,5 @@ def test_rms_norm_with_rope_is_the_norm_then_the_rotation(cuda, shape, weighted)
     rope.freqs = rope.freqs.to(cuda)
     cos, sin = rope.cos_sin(torch.randint(0, 1 << 16, (positions,), device=cuda))
     fused = rms_norm(x, w, EPS, rope=(cos, sin))
-    apart = rope_(rms_norm(x, w, EPS).view(positions, -1, shape[-1]), cos, sin).view(shape)
+    apart = rope.apply(rms_norm(x, w, EPS).view(positions, -1, shape[-1]), (cos, sin)).view(shape)
     assert torch.equal(fused, apart)
