@@ -90,12 +90,12 @@ DSUF_DEVICE AttnPlan attn_plan(const AttnParams& p, int n, int head_cap) {
 template <int HM>
 struct AttnSmem {
   static constexpr int q = 0;
-  static constexpr int k = q + HM * ROW * 2;
-  static constexpr int s = k + TILE * ROW * 2;  // the two halves' scores [2][HM][S_ROW]
+  static constexpr int k = q + HM * ROW * 2;       // two K tiles: one multiplied while the next is stored
+  static constexpr int s = k + 2 * TILE * ROW * 2;  // the two halves' scores [2][HM][S_ROW]
   static constexpr int p = s + 2 * HM * S_ROW * 4;
   static constexpr int alpha = p + HM * P_ROW * 2;
-  static constexpr int idx = alpha + HM * 4;
-  static constexpr int bytes = idx + TILE * 4;
+  static constexpr int idx = alpha + HM * 4;        // the two tiles' entries
+  static constexpr int bytes = idx + 2 * TILE * 4;
 };
 
 // One thread's share of a tile in flight: thread (entry e = tid / 8, part j = tid % 8) loads the
@@ -267,22 +267,24 @@ DSUF_DEVICE void attn_decode(const AttnParams& p) {
 #pragma unroll
     for (int n = 0; n < 8; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.0f;
 
+  // Tile i is gathered into K buffer i % 2 while tile i - 1 is multiplied: stored during tile i - 1's
+  // softmax (the buffer's last reader, tile i - 2's P V, is behind the barrier before it), its
+  // loads in flight since tile i - 2's. A tile of no entries costs its arithmetic and changes
+  // nothing (alpha 1, or 0 on accumulators that are still 0; its probabilities are 0).
   Gather gat;
   gather_load(gat, p, row, begin + ge, end, gj);
-  for (int base = begin; base < end; base += TILE) {
-    __syncthreads();  // the previous tile's K and P are no longer read
-    const int present = gat.entry >= 0;
-    gather_store(gat, k_s + ge * ROW, idx_s, ge, gj);
-    if (base + TILE < end) gather_load(gat, p, row, base + TILE + ge, end, gj);  // next tile in flight
-    // A tile of no entries (a prompt's early rows name few) would leave everything as it is: its
-    // alpha is 1, or 0 on accumulators that are still 0.
-    if (!__syncthreads_or(present)) continue;
+  gather_store(gat, k_s + ge * ROW, idx_s, ge, gj);
+  if (begin + TILE < end) gather_load(gat, p, row, begin + TILE + ge, end, gj);
+  for (int base = begin, buf = 0; base < end; base += TILE, buf ^= 1) {
+    __syncthreads();  // tile buf stored; the previous tile's P V done
+    const u16* k_t = k_s + buf * TILE * ROW;
+    const int* idx_t = idx_s + buf * TILE;
 
     if (2 * tiles2 <= 8) {  // a (tile, half) a warp
       const int tile = warp % tiles2;
-      if (warp < 2 * tiles2) score_tile<1>(q_s, k_s, s_s, HM, tile >> 1, tile & 1, warp / tiles2);
+      if (warp < 2 * tiles2) score_tile<1>(q_s, k_t, s_s, HM, tile >> 1, tile & 1, warp / tiles2);
     } else if (warp < tiles2) {
-      score_tile<2>(q_s, k_s, s_s, HM, warp >> 1, warp & 1, 0);
+      score_tile<2>(q_s, k_t, s_s, HM, warp >> 1, warp & 1, 0);
     }
     __syncthreads();
 
@@ -291,7 +293,7 @@ DSUF_DEVICE void attn_decode(const AttnParams& p) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const float* sk = s_s + sr * S_ROW + 8 * sq + k;
-        v[k] = idx_s[8 * sq + k] >= 0 ? __fmul_rn(__fadd_rn(sk[0], sk[HM * S_ROW]), p.scale) : NEG_INF;
+        v[k] = idx_t[8 * sq + k] >= 0 ? __fmul_rn(__fadd_rn(sk[0], sk[HM * S_ROW]), p.scale) : NEG_INF;
         mx = fmaxf(mx, v[k]);
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -313,6 +315,10 @@ DSUF_DEVICE void attn_decode(const AttnParams& p) {
       *reinterpret_cast<uint4*>(p_s + sr * P_ROW + 8 * sq) =
           make_uint4(bf16x2(pk[0], pk[1]), bf16x2(pk[2], pk[3]), bf16x2(pk[4], pk[5]), bf16x2(pk[6], pk[7]));
     }
+    if (base + TILE < end) {  // the next tile into the other buffer; the one after it in flight
+      gather_store(gat, k_s + (buf ^ 1) * TILE * ROW + ge * ROW, idx_s + (buf ^ 1) * TILE, ge, gj);
+      if (base + 2 * TILE < end) gather_load(gat, p, row, base + 2 * TILE + ge, end, gj);
+    }
     __syncthreads();
 
     {  // O = alpha O + P K for dims 64 warp ..
@@ -333,7 +339,7 @@ DSUF_DEVICE void attn_decode(const AttnParams& p) {
         u32 b[4][4];
 #pragma unroll
         for (int np = 0; np < 4; ++np)
-          ldmatrix_x4_trans(b[np], k_s + (16 * kstep + ((lane >> 3) & 1) * 8 + (lane & 7)) * ROW + 64 * warp + 16 * np +
+          ldmatrix_x4_trans(b[np], k_t + (16 * kstep + ((lane >> 3) & 1) * 8 + (lane & 7)) * ROW + 64 * warp + 16 * np +
                                        (lane >> 4) * 8);
 #pragma unroll
         for (int mt = 0; mt < HM / 16; ++mt) {

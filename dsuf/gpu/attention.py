@@ -36,10 +36,10 @@ def attention_kernel(heads: int, rows: int, sms: int) -> tuple[str, int, int]:
     """(name, dynamic shared memory, most heads a CTA takes) of the attention kernel for `rows` rows
     of `heads` query heads: CTAs of up to 32 heads (two an SM) where a rank has that few or a prompt
     chunk's rows fill the SMs (64 heads then take two CTAs a row), else up to 64 (shared memory:
-    mirror of AttnSmem in sparse_attn.cu: q, a K tile, the two halves' scores, probabilities,
-    alphas, indices)."""
+    mirror of AttnSmem in sparse_attn.cu: q, two K tiles, the two halves' scores, probabilities,
+    alphas, the tiles' indices)."""
     hm = 32 if heads <= 32 or rows >= sms else HEADS
-    shared = hm * _ROW * 2 + TILE * _ROW * 2 + 2 * hm * (TILE + 4) * 4 + hm * (TILE + 8) * 2 + hm * 4 + TILE * 4
+    shared = hm * _ROW * 2 + 2 * TILE * _ROW * 2 + 2 * hm * (TILE + 4) * 4 + hm * (TILE + 8) * 2 + hm * 4 + 2 * TILE * 4
     return ("sparse_attn_decode_h32" if hm == 32 else "sparse_attn_decode"), shared, hm
 
 
