@@ -102,7 +102,8 @@ COMBINE_SPLITS = 256  # most splits a row the combine takes (sparse_attn.cu)
 
 def choose_splits(n_idx: int, rows: int, sms: int, heads: int = HEADS, ctas: int | None = None, head_cap: int = HEADS) -> tuple[int, int, int]:
     """(splits, index slots per split, heads a CTA takes): a CTA per SM (the 64-head kernel fills
-    one; for the 32-head kernel's two an SM a decode step's plan is the same), so about sms / rows splits a row, never more than the row has tiles, none of them empty; where
+    one; for the 32-head kernel's two an SM a decode step's plan is the same), so about sms / rows
+    splits a row, never more than the row has tiles, none of them empty; where
     that leaves SMs idle (a decode step's rows of a few tiles each), each split's heads are
     divided among 2 or 4 CTAs too (16-head MMA tiles). ctas: at most this many CTAs a row (the
     kernel plans a row using fewer slots than it was launched for within the launch's CTAs);
