@@ -188,3 +188,69 @@ extern "C" __global__ void __launch_bounds__(256) hc_pre_collapse_rmsnorm_bf16(
   __syncthreads();
   norm_row(in, pre, w, out, xq, sx, D, eps);
 }
+
+// A decode site's block input in one launch (tokens <= 8, D <= 8192): grid (T, HC_MIXES), clusters
+// of HC_N CTAs along y, so cluster (t, 0) holds the rows of pre. CTA (t, r) computes mix r of token
+// t as mhc.cu's hc_mixes does (its row of fn brought into shared memory by the copy engine before
+// the PDL wait; float64 sums), from the token's streams, which it keeps in registers (load_row);
+// the CTAs of rows 0..3 hand their mixes to rank 0 of their cluster through distributed shared
+// memory, and rank 0 forms pre and the block input from the same registers (norm_row). Every
+// mix is written out for the Sinkhorn (hc_coefficients), which makes post and comb meanwhile.
+// This is hc_mixes followed by hc_pre_collapse_rmsnorm_bf16 without the second launch's latency.
+extern "C" __global__ void __cluster_dims__(1, HC_N, 1) __launch_bounds__(256) hc_block_input_bf16(
+    const u16* x, const float* fn, float* mix, const float* scale, const float* base, float hc_eps, const float* w, u16* out,
+    u8* xq, float* sx, int D, float eps, double mix_eps) {
+  extern __shared__ __align__(16) float fs[];  // the CTA's row of fn [n * D]
+  __shared__ u64 bar;
+  __shared__ double part[2][8];
+  __shared__ float pre_mix[HC_N], pre[HC_N];
+  const int tok = blockIdx.x, r = blockIdx.y, len = HC_N * D;
+  if (threadIdx.x == 0) {
+    mbar_init(&bar);
+    mbar_expect_bytes(&bar, len * 4);
+    bulk_copy(fs, fn + (i64)r * len, len * 4, &bar);
+  }
+  pdl_begin();
+  RowIn<HC_N> in;
+  load_row(x, D, in);
+  __syncthreads();  // the barrier's initialisation is visible to every thread
+  mbar_wait(&bar, 0);
+  double dot = 0.0, sq = 0.0;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int d = (threadIdx.x + v * 256) * 8;
+    if (d >= D) break;
+#pragma unroll
+    for (int i = 0; i < HC_N; ++i) {
+      const u32 q[4] = {in.raw[v][i].x, in.raw[v][i].y, in.raw[v][i].z, in.raw[v][i].w};
+      const float4 f0 = *reinterpret_cast<const float4*>(fs + i * D + d), f1 = *reinterpret_cast<const float4*>(fs + i * D + d + 4);
+      const float fv[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const double e = bf16_to_f32(k & 1 ? q[k >> 1] >> 16 : q[k >> 1] & 0xffff);
+        dot += e * (double)fv[k];
+        sq += e * e;
+      }
+    }
+  }
+  dot = warp_sum(dot);
+  sq = warp_sum(sq);
+  if ((threadIdx.x & 31) == 0) {
+    part[0][threadIdx.x >> 5] = dot;
+    part[1][threadIdx.x >> 5] = sq;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double d = 0.0, s = 0.0;
+    for (int i = 0; i < 8; ++i) d += part[0][i], s += part[1][i];
+    const float m = __fmul_rn((float)d, (float)(1.0 / sqrt(s / len + mix_eps)));
+    mix[(i64)tok * HC_MIXES + r] = m;
+    if (r < HC_N) st_cluster_f32(smem_addr(&pre_mix[r]), 0, m);
+  }
+  if (r >= HC_N) return;  // (a whole cluster: rows 4..7 and beyond never synchronise)
+  cluster_sync();         // pre_mix is complete in rank 0, and no CTA writes it again
+  if (r != 0) return;
+  if (threadIdx.x < HC_N) pre[threadIdx.x] = hc_pre_value(pre_mix[threadIdx.x], scale[0], base[threadIdx.x], hc_eps);
+  __syncthreads();
+  norm_row(in, pre, w, out, xq, sx, D, eps);
+}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .dense import DENSE_MIN_ROWS
-from .norm import Fp8Rows, fp8_rows, hc_collapse_rms_norm, hc_pre_collapse_rms_norm
+from .norm import HC_FUSED_TOKENS, Fp8Rows, fp8_rows, hc_block_input, hc_collapse_rms_norm, hc_pre_collapse_rms_norm
 from .runtime import get_kernel, ptr
 
 HC_N = 4  # streams (hc_mult); the kernels are written for 4
@@ -22,6 +22,7 @@ MIX_THREADS = 512  # mirror of mhc.cu
 MIX_TOKEN_GROUPS = 8  # hc_mixes: CTAs a row of fn (each takes every 8th token)
 CHUNK_MIX_TOKENS = 64  # hc_chunk_mixes: tokens a CTA (CM_TOKENS in mhc.cu)
 CHUNK_MIX_VALUES = 128  # ... fn values a row staged at a time (CM_CHUNK)
+FUSED_BLOCK_INPUT = True  # decode sites' mixes and block input in one launch (tests compare both ways)
 
 
 @dataclass
@@ -108,8 +109,9 @@ class HcSite:
         """The block's input rms_norm(hc_collapse(x, pre), weight, eps) bf16 [T, D] from the
         streams x bf16 [T, n, D], also FP8-quantised, and the site's post and comb for its expand.
 
-        Below a prompt chunk's size the mixes kernel is followed by one that forms pre and the
-        block input from them, while the Sinkhorn for post and comb, which only the expand needs,
+        Below a prompt chunk's size the mixes and the block input (pre formed from the mixes)
+        come from one launch at decode sizes (norm.hc_block_input), else from the mixes kernel and
+        one that takes them, while the Sinkhorn for post and comb, which only the expand needs,
         runs on the site's side stream: BlockInput.ready says when."""
         self._check(x)
         t = x.shape[0]
@@ -118,8 +120,11 @@ class HcSite:
             pre, post, comb = self.coefficients(x)
             return BlockInput(hc_collapse_rms_norm(x, pre, weight, eps, fp8_out=yq), yq, post, comb)
         x = x.contiguous()
-        mix = self._mixes(x)
-        y = hc_pre_collapse_rms_norm(x, mix, self.scale, self.base, self.hc_eps, weight, eps, fp8_out=yq)
+        if t <= HC_FUSED_TOKENS and FUSED_BLOCK_INPUT:
+            y, mix = hc_block_input(x, self.fn, self.scale, self.base, self.hc_eps, self.norm_eps, weight, eps, fp8_out=yq)
+        else:
+            mix = self._mixes(x)
+            y = hc_pre_collapse_rms_norm(x, mix, self.scale, self.base, self.hc_eps, weight, eps, fp8_out=yq)
         out = self._outputs(t, x.device)  # made on this stream, which uses post and comb later
         main = torch.cuda.current_stream(x.device)
         if self.side is None:

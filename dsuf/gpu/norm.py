@@ -16,6 +16,7 @@ MAX_DIM = 8192
 HC_STREAMS = 4  # the mHC streams the collapse kernels take (HC_N in mhc.cuh)
 WARP_ROW_DIM = 1024  # rows this short (8 elements a lane, 4 passes) can take a warp each ...
 WARP_ROWS_MIN = 2048  # ... and do, from this many rows (a prompt chunk's per-head norms): 8 rows a CTA
+HC_FUSED_TOKENS = 8  # hc_block_input's most tokens: a CTA a token and mix row, each with its row of fn
 
 
 def _rows_launch(name: str, rows: int, d: int, device: torch.device, args: list) -> None:
@@ -135,3 +136,24 @@ def hc_pre_collapse_rms_norm(x: torch.Tensor, mix: torch.Tensor, scale: torch.Te
              ctypes.c_int(d), ctypes.c_float(eps)],
         )
     return out
+
+
+def hc_block_input(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float, mix_eps: float,
+                   weight: torch.Tensor, eps: float, fp8_out: Fp8Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """An mHC site's mixes and block input in one launch (decode sizes: T <= HC_FUSED_TOKENS):
+    (hc_pre_collapse_rms_norm's output, the mixes float32 [T, 24] of the site fn float32 [24, 4·D]
+    with the mixes' own eps), as the site's mixes kernel followed by hc_pre_collapse_rms_norm."""
+    t, n, d = x.shape
+    if x.dtype != torch.bfloat16 or n != HC_STREAMS or not x.is_contiguous() or tuple(fn.shape) != (24, n * d) or not 1 <= t <= HC_FUSED_TOKENS:
+        raise ValueError(f"hc_block_input: need contiguous bf16 [T <= {HC_FUSED_TOKENS}, 4, D] and fn [24, 4 D], got {x.dtype} {tuple(x.shape)}, {tuple(fn.shape)}")
+    _check_dim(d)
+    out = torch.empty((t, d), dtype=torch.bfloat16, device=x.device)
+    mix = torch.empty((t, 24), dtype=torch.float32, device=x.device)
+    get_kernel("rmsnorm", "hc_block_input_bf16", x.device)(
+        (t, 24, 1),
+        256,
+        [ptr(x), ptr(fn), ptr(mix), ptr(scale), ptr(base), ctypes.c_float(hc_eps), ptr(_weight(weight, d)), ptr(out), *_fp8_ptrs(fp8_out, t, d),
+         ctypes.c_int(d), ctypes.c_float(eps), ctypes.c_double(mix_eps)],
+        shared=fn.shape[1] * 4,
+    )
+    return out, mix

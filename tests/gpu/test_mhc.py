@@ -9,6 +9,7 @@ import torch
 from gpu_checks import compare
 
 from dsuf.gpu.linear import act_quant
+from dsuf.gpu import mhc as gpu_mhc
 from dsuf.gpu.mhc import HcSite, hc_expand
 from dsuf.model.layers import HyperConnection, hc_collapse, rms_norm
 from dsuf.model.layers import hc_expand as ref_hc_expand
@@ -42,13 +43,13 @@ def test_hc_coefficients(cuda, tokens):
     assert_coefficients_close(got, ref, f"x {tokens}")
 
 
-# 1 and 8: decode; 20: more tokens than hc_mixes has CTAs a row (each takes several); 600: a
-# prompt chunk (coefficients, then the collapse kernel).
-@pytest.mark.parametrize("tokens", [1, 8, 20, 600])
+# 1, 3 and 8: decode (mixes and block input in one launch); 20: more tokens than hc_mixes has CTAs
+# a row (each takes several), then the collapse kernel; 600: a prompt chunk (coefficients, then the
+# collapse kernel).
+@pytest.mark.parametrize("tokens", [1, 3, 8, 20, 600])
 def test_block_input_is_the_norm_of_the_collapse(cuda, tokens):
     """A site's block input rms_norm(hc_collapse(x, pre)) with post and comb for its expand, as the
-    reference computes them (mixes, then pre and the block input in one launch; the Sinkhorn on a
-    side stream)."""
+    reference computes them (the Sinkhorn on a side stream)."""
     fn, base, scale = site(cuda)
     x = streams(tokens, cuda)
     w = 1 + 0.2 * torch.randn(D, device=cuda)
@@ -62,6 +63,25 @@ def test_block_input_is_the_norm_of_the_collapse(cuda, tokens):
     xq, sx = act_quant(got.y)  # what the block's FP8 linears take: made in the same launch
     assert torch.equal(got.yq[0].view(torch.uint8), xq.view(torch.uint8)) and torch.equal(got.yq[1], sx)
     assert_coefficients_close((got.post, got.comb), (post, comb), f"with the block input x {tokens}", names=("post", "comb"))
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_block_input_in_one_launch_is_the_mixes_then_the_collapse(cuda, tokens, monkeypatch):
+    """norm.hc_block_input (a decode site's mixes and block input in one launch) gives what the
+    mixes kernel followed by hc_pre_collapse_rmsnorm gives: float64 sums in another order, so the
+    mixes within a few float32 ulps and the block input bit for bit nearly everywhere."""
+    fn, base, scale = site(cuda)
+    x = streams(tokens, cuda)
+    w = 1 + 0.2 * torch.randn(D, device=cuda)
+    hc = HcSite(fn, base, scale, EPS, HC_EPS, ITERS)
+    one = hc.block_input(x, w, EPS)
+    monkeypatch.setattr(gpu_mhc, "FUSED_BLOCK_INPUT", False)
+    two = hc.block_input(x, w, EPS)
+    for got in (one, two):
+        torch.cuda.current_stream().wait_event(got.ready)
+    _, worst = compare(f"block input in one launch [{tokens}, {N}, {D}]", one.y, two.y)
+    assert worst <= 1.0 and (one.y == two.y).float().mean() > 0.999
+    assert_coefficients_close((one.post, one.comb), (two.post, two.comb), f"one launch against two, x {tokens}", names=("post", "comb"))
 
 
 @pytest.mark.parametrize("tokens", [1, 8])
