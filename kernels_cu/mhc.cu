@@ -51,30 +51,11 @@ extern "C" __global__ void __launch_bounds__(MIX_THREADS) hc_mixes(
       for (int u = 0; u < MIX_UNROLL; ++u) {
         const int i = i0 + 8 * MIX_THREADS * u;
         if (i >= len) break;
-        const u32 xw[4] = {xv[u].x, xv[u].y, xv[u].z, xv[u].w};
-        const float4 f0 = *reinterpret_cast<const float4*>(fs + i), f1 = *reinterpret_cast<const float4*>(fs + i + 4);
-        const float fv[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          const double v = bf16_to_f32(k & 1 ? xw[k >> 1] >> 16 : xw[k >> 1] & 0xffff);
-          dot += v * (double)fv[k];
-          sq += v * v;
-        }
+        hc_mix_add8(xv[u], fs + i, dot, sq);
       }
     }
-    dot = warp_sum(dot);
-    sq = warp_sum(sq);
-    if ((threadIdx.x & 31) == 0) {
-      part[0][threadIdx.x >> 5] = dot;
-      part[1][threadIdx.x >> 5] = sq;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      double d = 0.0, s = 0.0;
-      for (int w = 0; w < MIX_THREADS / 32; ++w) d += part[0][w], s += part[1][w];
-      const float rs = (float)(1.0 / sqrt(s / len + eps));
-      mix[(i64)tok * rows + r] = __fmul_rn((float)d, rs);
-    }
+    const float m = hc_mix_total(dot, sq, part, len, eps);
+    if (threadIdx.x == 0) mix[(i64)tok * rows + r] = m;
     __syncthreads();  // part is read before the next token writes it
   }
 }

@@ -18,6 +18,37 @@ DSUF_DEVICE float hc_pre_value(float mix, float scale0, float base, float hc_eps
   return __fadd_rn((float)sigmoid_f64(z), hc_eps);
 }
 
+// A site's mix (hc_mixes, hc_block_input_bf16): a thread's share of flat . fn_r and of flat^2 in
+// float64, 8 stream values x (bf16) against their 8 fn values f (float32) at a time ...
+DSUF_DEVICE void hc_mix_add8(const uint4& x, const float* f, double& dot, double& sq) {
+  const u32 xw[4] = {x.x, x.y, x.z, x.w};
+  const float4 f0 = *reinterpret_cast<const float4*>(f), f1 = *reinterpret_cast<const float4*>(f + 4);
+  const float fv[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const double v = bf16_to_f32(k & 1 ? xw[k >> 1] >> 16 : xw[k >> 1] & 0xffff);
+    dot += v * (double)fv[k];
+    sq += v * v;
+  }
+}
+
+// ... then the CTA's sums (part: WARPS x 2 doubles of shared memory) and the mix, f32(dot) *
+// f32(1 / sqrt(mean + eps)) over len values, returned to thread 0 (the others get 0).
+template <int WARPS>
+DSUF_DEVICE float hc_mix_total(double dot, double sq, double (&part)[2][WARPS], int len, double eps) {
+  dot = warp_sum(dot);
+  sq = warp_sum(sq);
+  if ((threadIdx.x & 31) == 0) {
+    part[0][threadIdx.x >> 5] = dot;
+    part[1][threadIdx.x >> 5] = sq;
+  }
+  __syncthreads();
+  if (threadIdx.x) return 0.0f;
+  double d = 0.0, s = 0.0;
+  for (int w = 0; w < WARPS; ++w) d += part[0][w], s += part[1][w];
+  return __fmul_rn((float)d, (float)(1.0 / sqrt(s / len + eps)));
+}
+
 DSUF_DEVICE void hc_expand8(const float o[8], const u16* __restrict__ x, const float* __restrict__ post,
                             const float* __restrict__ comb, u16* __restrict__ y, int tok, int d, int D) {
   float cm[HC_N][HC_N], pk[HC_N];

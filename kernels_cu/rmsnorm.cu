@@ -221,33 +221,14 @@ extern "C" __global__ void __cluster_dims__(1, HC_N, 1) __launch_bounds__(256) h
     const int d = (threadIdx.x + v * 256) * 8;
     if (d >= D) break;
 #pragma unroll
-    for (int i = 0; i < HC_N; ++i) {
-      const u32 q[4] = {in.raw[v][i].x, in.raw[v][i].y, in.raw[v][i].z, in.raw[v][i].w};
-      const float4 f0 = *reinterpret_cast<const float4*>(fs + i * D + d), f1 = *reinterpret_cast<const float4*>(fs + i * D + d + 4);
-      const float fv[8] = {f0.x, f0.y, f0.z, f0.w, f1.x, f1.y, f1.z, f1.w};
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const double e = bf16_to_f32(k & 1 ? q[k >> 1] >> 16 : q[k >> 1] & 0xffff);
-        dot += e * (double)fv[k];
-        sq += e * e;
-      }
-    }
+    for (int i = 0; i < HC_N; ++i) hc_mix_add8(in.raw[v][i], fs + i * D + d, dot, sq);
   }
-  dot = warp_sum(dot);
-  sq = warp_sum(sq);
-  if ((threadIdx.x & 31) == 0) {
-    part[0][threadIdx.x >> 5] = dot;
-    part[1][threadIdx.x >> 5] = sq;
-  }
-  __syncthreads();
+  const float m = hc_mix_total(dot, sq, part, len, mix_eps);
   if (threadIdx.x == 0) {
-    double d = 0.0, s = 0.0;
-    for (int i = 0; i < 8; ++i) d += part[0][i], s += part[1][i];
-    const float m = __fmul_rn((float)d, (float)(1.0 / sqrt(s / len + mix_eps)));
     mix[(i64)tok * HC_MIXES + r] = m;
     if (r < HC_N) st_cluster_f32(smem_addr(&pre_mix[r]), 0, m);
   }
-  if (r >= HC_N) return;  // (a whole cluster: rows 4..7 and beyond never synchronise)
+  if (r >= HC_N) return;  // (whole clusters: those of rows 4 and up never synchronise)
   cluster_sync();         // pre_mix is complete in rank 0, and no CTA writes it again
   if (r != 0) return;
   if (threadIdx.x < HC_N) pre[threadIdx.x] = hc_pre_value(pre_mix[threadIdx.x], scale[0], base[threadIdx.x], hc_eps);
