@@ -14,7 +14,8 @@
 //                    grid (D / 2048, T), 256 threads x 8 dims.
 //   hc_chunk_mixes:  hc_mixes for a prompt chunk (64 tokens a CTA, on the float64 tensor cores).
 // At decode a site's block input rms_norm(hc_collapse(X, pre)) needs only the mixes and pre:
-// rmsnorm.cu's hc_pre_collapse_rmsnorm_bf16 takes the mixes and forms pre itself, while
+// rmsnorm.cu's hc_block_input_bf16 makes the mixes and the block input in one launch (up to 8
+// tokens; beyond, hc_mixes and hc_pre_collapse_rmsnorm_bf16, which forms pre from the mixes), while
 // hc_coefficients makes post and comb (used only at the site's expand) on another stream.
 // Float32 products and sums are written with __fmul_rn / __fadd_rn so that none is contracted to
 // an FMA: the reference rounds each of them.
