@@ -123,6 +123,17 @@ class Fp4Experts:
         return self.w1.shape[1]
 
 
+def fp4_splits(pairs: int, n: int, k: int, mats: int, blocks: int, sms: int) -> int:
+    """How many CTAs share the K range of an FP4 decode launch's output tile: `pairs` pairs of `mats`
+    matrices of N x K, `blocks` CTAs an SM of `sms` (FP4_SPLITS overrides), and never fewer than a
+    CTA's shared memory needs (at most FP4_MAX_CHUNKS 128-element chunks of activations a CTA)."""
+    tiles = pairs * (n // CTA_ROWS) * mats
+    # Once a CTA a tile gives every SM one, splitting K only adds the partial sums' round trips
+    # (a TP=2 rank's w2 at batch 1: 192 tiles, 2 splits were 1.7 % of the step slower).
+    splits = FP4_SPLITS or (1 if tiles >= sms else choose_splits(tiles, k // BLOCK, blocks * sms, n * 4 * mats * 2 * pairs, pairs * mats * n * k // 2))
+    return max(splits, -(-(k // BLOCK) // FP4_MAX_CHUNKS))
+
+
 def prefill_tiles(ends: torch.Tensor, pairs: int) -> torch.Tensor:
     """moe_prefill_fp4's tiles int32 [pairs // PREFILL_COLS + E, 3] (expert, first pair, pairs)
     from each expert's end among the pairs sorted by expert (int64 [E], on the device): expert e's
@@ -391,11 +402,7 @@ class Moe:
         products = FP4_PRODUCTS or ("g" if device_arch(xq.device) == "sm_90a" else "u")
         variant = FP4_VARIANT or f"_{products}2b{3 if pairs <= 16 else 4}"
         blocks = int(variant.rsplit("b", 1)[1])
-        # Once a CTA a tile gives every SM one, splitting K only adds the partial sums' round trips
-        # (a TP=2 rank's w2 at batch 1: 192 tiles, 2 splits were 1.7 % of the step slower).
-        sms = sm_count(xq.device)
-        splits = FP4_SPLITS or (1 if tiles >= sms else choose_splits(tiles, k // BLOCK, blocks * sms, n * 4 * mats * 2 * pairs, pairs * mats * n * k // 2))
-        splits = max(splits, -(-(k // BLOCK) // FP4_MAX_CHUNKS))  # a CTA's activations fit its shared memory
+        splits = fp4_splits(pairs, n, k, mats, blocks, sm_count(xq.device))
         partial = torch.empty(tiles * splits * 8 * CTA_ROWS if mats * splits > 1 else 1, dtype=torch.float32, device=xq.device)
         if self.counter.numel() < pairs * (n // CTA_ROWS):  # zeroed once; every launch leaves it zero
             self.counter = torch.zeros(pairs * (n // CTA_ROWS), dtype=torch.int32, device=xq.device)
