@@ -55,16 +55,28 @@ struct Cols {
 // 16-31) of the 8 columns' 16 bytes, zeros past `cols`; then visible to the tensor cores.
 #define FP8_WG_STEP 256
 #define FP8_WG_MAX_KB 16  // K blocks a CTA of the WG variant covers at most (the host splits K so)
+#define GEMM_THREADS 256
 
+// A thread's elements are e = thread + 256 r; all of its loads are issued before its first store
+// (a loop of load-then-store would wait out one L2 round trip a round).
 DSUF_DEVICE void fp8_stage_x_wg(const GemmParams& p, const int* col_xrow, int cols, int kb0, int kb1, u8* xs) {
-  const int K = p.K;
-  for (int e = threadIdx.x; e < (kb1 - kb0) * 4 * 32; e += blockDim.x) {
-    const int t = e & 3, m = (e >> 2) & 7, ki = e >> 5, kb = kb0 + (ki >> 2), i = ki & 3;
-    uint2 v = make_uint2(0, 0);
-    if (m < cols) v = ld_nc8(p.xq + (i64)col_xrow[m] * K + kb * 128 + 64 * (i >> 1) + 16 * t + 8 * (i & 1));
+  constexpr int ROUNDS = FP8_WG_MAX_KB * 4 * 32 / GEMM_THREADS;
+  const int K = p.K, t = threadIdx.x & 3, m = (threadIdx.x >> 2) & 7, n = (kb1 - kb0) * 4 * 32;
+  const u8* xrow = m < cols ? p.xq + (i64)col_xrow[m] * K + 16 * t : nullptr;
+  uint2 v[ROUNDS];
+#pragma unroll
+  for (int r = 0; r < ROUNDS; ++r) {
+    const int e = threadIdx.x + r * GEMM_THREADS, ki = e >> 5, kb = kb0 + (ki >> 2), i = ki & 3;
+    v[r] = make_uint2(0, 0);
+    if (xrow && e < n) v[r] = ld_nc8(xrow + kb * 128 + 64 * (i >> 1) + 8 * (i & 1));
+  }
+#pragma unroll
+  for (int r = 0; r < ROUNDS; ++r) {
+    const int e = threadIdx.x + r * GEMM_THREADS, ki = e >> 5;
+    if (e >= n) break;
     u8* at = xs + ki * FP8_WG_STEP + m * 16 + 4 * t;  // bytes 0-3: logical k 4t.., 4-7: 16 + 4t..
-    *reinterpret_cast<u32*>(at) = v.x;
-    *reinterpret_cast<u32*>(at + 128) = v.y;
+    *reinterpret_cast<u32*>(at) = v[r].x;
+    *reinterpret_cast<u32*>(at + 128) = v[r].y;
   }
   fence_proxy_async_smem();
 }
@@ -235,17 +247,30 @@ DSUF_DEVICE void fp4_compute_s(const Fp4WStage<U>& st, const void* xs, u64 desc0
 // Activations of chunks [kc0, kc1) of the CTA's columns into shared memory (see above); with WG,
 // as wgmma's B (FP4_WG_STEP_BYTES a k-step, column g's logical k at g * 16 + k % 16 of core matrix
 // k / 16), made visible to the tensor cores.
+// A thread's elements are e = thread + 256 r (k-step e / 32, the lane's column); all of its loads,
+// the scales' too, are issued before its first store.
 template <bool WG>
 DSUF_DEVICE void fp4_stage_x(const GemmParams& p, const int* col_xrow, int cols, int kc0, int kc1, void* xs, float* xsc) {
+  constexpr int ROUNDS = FP4_MAX_CHUNKS * 128 / GEMM_THREADS;
   const int K = p.K, KB = K >> 7, n = (kc1 - kc0) * 128;
-  for (int e = threadIdx.x; e < n; e += blockDim.x) {
-    const int lane = e & 31, step = e >> 5, g = lane >> 2, t = lane & 3;
-    u32 b0 = 0, b1 = 0;
-    if (g < cols) {
-      const uint2 x = ld_nc8(p.xq + (i64)col_xrow[g] * K + (i64)(kc0 * 4 + step) * 32 + 8 * t);
-      // Logical k 4t+b <-> element 8t+2b of the step (low nibbles), 16+4t+b <-> 8t+2b+1.
-      b0 = __byte_perm(x.x, x.y, 0x6420), b1 = __byte_perm(x.x, x.y, 0x7531);
-    }
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, sc = threadIdx.x & 7;
+  const u8* xrow = g < cols ? p.xq + (i64)col_xrow[g] * K + (i64)kc0 * 128 + 8 * t : nullptr;
+  uint2 x[ROUNDS];
+#pragma unroll
+  for (int r = 0; r < ROUNDS; ++r) {
+    const int step = (threadIdx.x + r * GEMM_THREADS) >> 5;
+    x[r] = make_uint2(0, 0);
+    if (xrow && step * 32 < n) x[r] = ld_nc8(xrow + step * 32);
+  }
+  // Scale e (< 8 chunks of FP4_MAX_CHUNKS <= 256 threads): column e % 8 of chunk kc0 + e / 8.
+  const bool stages_scale = (int)threadIdx.x < (kc1 - kc0) * 8;
+  const float s = stages_scale && sc < cols ? 64.0f * p.sx[(i64)col_xrow[sc] * KB + kc0 + (threadIdx.x >> 3)] : 0.0f;
+#pragma unroll
+  for (int r = 0; r < ROUNDS; ++r) {
+    const int e = threadIdx.x + r * GEMM_THREADS, step = e >> 5;
+    if (e >= n) break;
+    // Logical k 4t+b <-> element 8t+2b of the step (low nibbles), 16+4t+b <-> 8t+2b+1.
+    const u32 b0 = __byte_perm(x[r].x, x[r].y, 0x6420), b1 = __byte_perm(x[r].x, x[r].y, 0x7531);
     if (WG) {
       u8* at = static_cast<u8*>(xs) + step * FP4_WG_STEP_BYTES + g * 16 + 4 * t;
       *reinterpret_cast<u32*>(at) = b0;
@@ -255,10 +280,7 @@ DSUF_DEVICE void fp4_stage_x(const GemmParams& p, const int* col_xrow, int cols,
     }
   }
   if (WG) fence_proxy_async_smem();
-  for (int e = threadIdx.x; e < (kc1 - kc0) * 8; e += blockDim.x) {
-    const int c = e & 7, kc = kc0 + (e >> 3);
-    xsc[e] = c < cols ? 64.0f * p.sx[(i64)col_xrow[c] * KB + kc] : 0.0f;
-  }
+  if (stages_scale) xsc[threadIdx.x] = s;
 }
 
 template <int U, bool SINGLE, bool WG>
@@ -314,7 +336,15 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
 
   // Columns. FP8: the tokens. FP4: the pairs that share this item's expert, in expert order: the
   // item that starts each run of up to 8 equal experts takes the run, so each expert's weights
-  // are read once for all of its tokens; the other items of the run exit.
+  // are read once for all of its tokens; the other items of the run exit. Meanwhile threads < 8
+  // read the pair and routing weight of the column they would hold, so that the weight's load is
+  // not another round trip after the run is known.
+  int pair = threadIdx.x;
+  float route_w = 1.0f;
+  if (FMT == FMT_FP4 && threadIdx.x < COLS && item + (int)threadIdx.x < (int)gridDim.z) {
+    pair = pair_at(p, item + threadIdx.x);
+    if (p.route_w) route_w = p.route_w[pair];
+  }
   if (threadIdx.x == 0) {
     int cols = p.cols;
     if (FMT == FMT_FP4) {
@@ -331,10 +361,9 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
   const int cols = n_cols;
   if (cols == 0) return;
   if (threadIdx.x < cols) {
-    const int pair = FMT == FMT_FP4 ? pair_at(p, item + threadIdx.x) : threadIdx.x;
     col_xrow[threadIdx.x] = FMT == FMT_FP4 ? pair / p.x_div : pair;
     col_orow[threadIdx.x] = pair;
-    col_w[threadIdx.x] = FMT == FMT_FP4 && p.route_w ? p.route_w[pair] : 1.0f;
+    col_w[threadIdx.x] = route_w;
   }
   __syncthreads();
 

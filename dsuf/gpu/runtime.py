@@ -46,7 +46,6 @@ def _check(err, what: str) -> None:
         raise RuntimeError(f"{what} failed: {err.name} ({text.decode() if text else '?'})")
 
 
-STATIC_SHARED_LIMIT = 48 << 10  # dynamic shared memory beyond this needs the kernel's opt-in
 
 # Programmatic dependent launch (Hopper and later): a kernel may be scheduled while the one before
 # it on the stream runs; every kernel waits for its predecessor first (pdl_begin in common.cuh).
@@ -73,8 +72,9 @@ class Kernel:
         self._shared_granted: dict[int, int] = {}  # device ordinal -> dynamic bytes allowed
 
     def _grant_shared(self, nbytes: int, device: int) -> None:
-        """Raise the kernel's dynamic shared-memory limit on `device` to at least nbytes."""
-        if nbytes <= max(STATIC_SHARED_LIMIT, self._shared_granted.get(device, 0)):
+        """Raise the kernel's dynamic shared-memory limit on `device` to at least nbytes (opted in
+        for any dynamic bytes: the 48 KB default counts the kernel's static shared memory too)."""
+        if nbytes <= self._shared_granted.get(device, 0):
             return
         driver = _driver()
         err, dev = driver.cuDeviceGet(device)
