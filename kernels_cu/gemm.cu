@@ -34,7 +34,7 @@ struct GemmParams {
   float* out_scale;       // SWIGLU: [rows_out, N/128] scales of `out`
   float* partial;         // split-K partials [items, N/128, mats, splits, 8 * MT, 128]
   int* counter;           // [items, N/128] arrivals; zero between launches (the last CTA resets)
-  int N, K, cols, splits; // cols: FP8 tokens (<= 8 * MT; FP4 items find their own)
+  int N, K, cols, splits; // cols: FP8 tokens (<= 8 * MT); FP4: 1 = every pair a column of its own, 0 = find runs
   int x_div;              // FP4: pair p reads activation row p / x_div (top-k for w1/w3, 1 for w2)
   float limit;            // SwiGLU clamp (<= 0: none)
 };
@@ -334,36 +334,36 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
   const int item = blockIdx.z, NB = p.N >> 7, KB = p.K >> 7;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 
-  // Columns. FP8: the tokens. FP4: the pairs that share this item's expert, in expert order: the
-  // item that starts each run of up to 8 equal experts takes the run, so each expert's weights
-  // are read once for all of its tokens; the other items of the run exit. Meanwhile threads < 8
-  // read the pair and routing weight of the column they would hold, so that the weight's load is
-  // not another round trip after the run is known.
+  // Columns. FP8: the tokens. FP4 with p.cols == 1: every pair is a column of its own (the host
+  // knows that no two consecutive pairs share an expert: one token's top-k), nothing to find.
+  // Else the pairs that share this item's expert, in expert order: the item that starts each run
+  // of up to 8 equal experts takes the run, so each expert's weights are read once for all of its
+  // tokens; the other items of the run exit. Meanwhile threads < 8 read the pair and routing
+  // weight of the column they would hold; the weight is stored for the epilogue only after the
+  // products, so that no barrier waits for its load.
   int pair = threadIdx.x;
   float route_w = 1.0f;
   if (FMT == FMT_FP4 && threadIdx.x < COLS && item + (int)threadIdx.x < (int)gridDim.z) {
     pair = pair_at(p, item + threadIdx.x);
     if (p.route_w) route_w = p.route_w[pair];
   }
-  if (threadIdx.x == 0) {
-    int cols = p.cols;
-    if (FMT == FMT_FP4) {
-      const int e = p.expert[pair_at(p, item)];
-      int start = item;
-      while (start > 0 && p.expert[pair_at(p, start - 1)] == e) --start;
-      cols = 0;
+  const i64 expert = FMT == FMT_FP4 ? p.expert[pair_at(p, item)] : 0;  // (in flight across the barriers)
+  const bool runs = FMT == FMT_FP4 && p.cols != 1;
+  if (runs) {
+    if (threadIdx.x == 0) {
+      int start = item, cols = 0;
+      while (start > 0 && p.expert[pair_at(p, start - 1)] == expert) --start;
       if ((item - start) % COLS == 0)
-        while (cols < COLS && item + cols < (int)gridDim.z && p.expert[pair_at(p, item + cols)] == e) ++cols;
+        while (cols < COLS && item + cols < (int)gridDim.z && p.expert[pair_at(p, item + cols)] == expert) ++cols;
+      n_cols = cols;
     }
-    n_cols = cols;
+    __syncthreads();
   }
-  __syncthreads();
-  const int cols = n_cols;
+  const int cols = runs ? n_cols : p.cols;
   if (cols == 0) return;
   if (threadIdx.x < cols) {
     col_xrow[threadIdx.x] = FMT == FMT_FP4 ? pair / p.x_div : pair;
     col_orow[threadIdx.x] = pair;
-    col_w[threadIdx.x] = route_w;
   }
   __syncthreads();
 
@@ -386,11 +386,11 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
   } else if (FMT == FMT_FP8) {
     fp8_tile<MT>(p, p.w[mat], p.ws[mat] + (i64)rb * KB, row0, kb0, kb1, c, acc);
   } else {
-    const i64 e = p.expert[pair_at(p, item)];
-    const u8* we = p.w[mat] + e * p.N * (p.K >> 1);
-    const u8* wse = p.ws[mat] + e * p.N * (p.K >> 5);
+    const u8* we = p.w[mat] + expert * p.N * (p.K >> 1);
+    const u8* wse = p.ws[mat] + expert * p.N * (p.K >> 5);
     fp4_main<FP4U, FP4WG>(p, we, wse, row0, kb0, kb1, col_xrow, cols, acc[0]);
   }
+  if (threadIdx.x < cols) col_w[threadIdx.x] = route_w;  // (visible after the barrier below)
 
   const int r = warp * 16 + g;
 #pragma unroll

@@ -252,8 +252,9 @@ class Moe:
         expert = idx.reshape(-1).to(torch.int32)
         # With several tokens, pairs sorted by expert let one item serve all tokens of an expert.
         order = torch.argsort(expert, stable=True).to(torch.int32) if t > 1 else None
-        hq, sh = self.routed_gate_up(xq, sx, expert, weights.reshape(-1), k, order)
-        y_routed = self.routed_down(hq, sh, expert, order)
+        # One token's top-k are distinct experts: each pair is a launch item's only column.
+        hq, sh = self.routed_gate_up(xq, sx, expert, weights.reshape(-1), k, order, distinct=t == 1)
+        y_routed = self.routed_down(hq, sh, expert, order, distinct=t == 1)
 
         main.wait_stream(self.side)
         y_shared.record_stream(main)
@@ -359,23 +360,28 @@ class Moe:
         route_w: torch.Tensor,
         k: int,
         order: torch.Tensor | None = None,
+        distinct: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pairs p = t*k + j: h = route_w[p] * silu(clamp(x_t W1ᵀ)) * clamp(x_t W3ᵀ), rounded to bf16
         and act-quantised: (e4m3 [P, I], float32 scales [P, I/128]). `order`: the pairs sorted by
-        expert (int32), so that pairs of one expert share its weight reads; None: as given."""
+        expert (int32), so that pairs of one expert share its weight reads; None: as given.
+        `distinct`: the caller knows that no two consecutive pairs (in `order`) share an expert
+        (one token's top-k), so the kernel need not look for runs of one expert."""
         pairs = expert.numel()
         hq = torch.empty((pairs, self.routed.inter), dtype=torch.float8_e4m3fn, device=xq.device)
         sh = torch.empty((pairs, self.routed.inter // BLOCK), dtype=torch.float32, device=xq.device)
         r = self.routed
-        self._launch("fp4_swiglu_pairs", (r.w1, r.s1), (r.w3, r.s3), expert, order, k, route_w.float().contiguous(), xq, sx, hq, sh)
+        self._launch("fp4_swiglu_pairs", (r.w1, r.s1), (r.w3, r.s3), expert, order, k, route_w.float().contiguous(), xq, sx, hq, sh, distinct)
         return hq, sh
 
     def routed_down(
-        self, hq: torch.Tensor, sh: torch.Tensor, expert: torch.Tensor, order: torch.Tensor | None = None, out: torch.Tensor | None = None
+        self, hq: torch.Tensor, sh: torch.Tensor, expert: torch.Tensor, order: torch.Tensor | None = None, out: torch.Tensor | None = None,
+        distinct: bool = False,
     ) -> torch.Tensor:
-        """Each pair's w2 on its own h row: bf16 [P, D] (rounded per expert, as the reference)."""
+        """Each pair's w2 on its own h row: bf16 [P, D] (rounded per expert, as the reference);
+        `order` and `distinct` as for routed_gate_up."""
         y = out if out is not None else torch.empty((expert.numel(), self.routed.dim), dtype=torch.bfloat16, device=hq.device)
-        self._launch("fp4_gemm_bf16_pairs", (self.routed.w2, self.routed.s2), None, expert, order, 1, None, hq, sh, y, None)
+        self._launch("fp4_gemm_bf16_pairs", (self.routed.w2, self.routed.s2), None, expert, order, 1, None, hq, sh, y, None, distinct)
         return y
 
     def shared_forward(self, xq: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
@@ -392,9 +398,9 @@ class Moe:
             launch_fp8(s.w2, s.s2, None, hq[lo:hi], sh[lo:hi], y[lo:hi], None, self.shared_counter)
         return y
 
-    def _launch(self, name, w, w_up, expert, order, x_div, route_w, xq, sx, out, out_scale) -> None:
+    def _launch(self, name, w, w_up, expert, order, x_div, route_w, xq, sx, out, out_scale, distinct) -> None:
         """One FP4 launch over the pairs: N rows of w per expert, K = xq's width; pair p reads
-        activation row p // x_div and writes output row p."""
+        activation row p // x_div and writes output row p; `distinct`: every pair its own column."""
         pairs = expert.numel()
         n, k = w[0].shape[1], xq.shape[1]
         mats = 2 if w_up is not None else 1
@@ -417,5 +423,5 @@ class Moe:
         p.out = out.data_ptr()
         p.out_scale = out_scale.data_ptr() if out_scale is not None else 0
         p.partial, p.counter = partial.data_ptr(), self.counter.data_ptr()
-        p.N, p.K, p.cols, p.splits, p.x_div, p.limit = n, k, 1, splits, x_div, self.limit
+        p.N, p.K, p.cols, p.splits, p.x_div, p.limit = n, k, int(distinct), splits, x_div, self.limit
         get_kernel("gemm", name + variant, xq.device)((n // CTA_ROWS, mats * splits, pairs), 256, [p])

@@ -162,6 +162,21 @@ def test_routed_down(cuda, moe_pair, sums, tokens, grouped):
     assert rel < 2.5e-3 and worst <= 1.0
 
 
+def test_one_tokens_pairs_as_their_own_columns_give_the_bits_of_the_run_search(cuda, moe_pair, sums):
+    """`distinct` (one token's top-k: no two pairs share an expert) skips the kernels' search for
+    runs of one expert; the outputs are the search's, bit for bit."""
+    kernel, moe = moe_pair
+    x = random_activations(1, D, cuda)
+    weights, idx = moe.route(x, None)
+    xq, sx = act_quant(x)
+    expert = idx.reshape(-1).int()
+    outs = []
+    for distinct in (False, True):
+        hq, sh = kernel.routed_gate_up(xq, sx, expert, weights.reshape(-1), TOPK, None, distinct=distinct)
+        outs.append((hq.view(torch.uint8), sh, kernel.routed_down(hq, sh, expert, None, distinct=distinct)))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 @pytest.mark.parametrize("tokens", [1, 8, 32])
 def test_shared_expert(cuda, moe_pair, sums, tokens):
     kernel, moe = moe_pair
