@@ -262,7 +262,7 @@ DSUF_DEVICE void fp4_stage_x(const GemmParams& p, const int* col_xrow, int cols,
     x[r] = make_uint2(0, 0);
     if (xrow && step * 32 < n) x[r] = ld_nc8(xrow + step * 32);
   }
-  // Scale e (< 8 chunks of FP4_MAX_CHUNKS <= 256 threads): column e % 8 of chunk kc0 + e / 8.
+  // Thread e < 8 * chunks (at most 8 * FP4_MAX_CHUNKS = 128) stages the scale of column e % 8, chunk kc0 + e / 8.
   const bool stages_scale = (int)threadIdx.x < (kc1 - kc0) * 8;
   const float s = stages_scale && sc < cols ? 64.0f * p.sx[(i64)col_xrow[sc] * KB + kc0 + (threadIdx.x >> 3)] : 0.0f;
 #pragma unroll
