@@ -46,7 +46,6 @@ def _check(err, what: str) -> None:
         raise RuntimeError(f"{what} failed: {err.name} ({text.decode() if text else '?'})")
 
 
-
 # Programmatic dependent launch (Hopper and later): a kernel may be scheduled while the one before
 # it on the stream runs; every kernel waits for its predecessor first (pdl_begin in common.cuh).
 # DSUF_PDL=0 launches plainly, for comparison.
