@@ -119,3 +119,16 @@ def test_every_kernel_compiles(tmp_path, arch):
     for r in build.build_all([arch], cache):
         assert r.compiled and r.size > 0, r
     assert cache.compiles == len(sources)
+
+
+@needs_nvrtc
+def test_the_tools_probes_compile(tmp_path):
+    """tools/probes/*.cu (the probes of tools/chain-probe and tools/fp8-sums-probe), beside the
+    kernels' common.cuh as the tools compile them, for Hopper."""
+    root = Path(__file__).resolve().parents[1]
+    probes = sorted((root / "tools" / "probes").glob("*.cu"))
+    kdir = write_kernels(tmp_path, {p.name: p.read_text() for p in probes} | {"common.cuh": (build.KERNEL_DIR / "common.cuh").read_text()})
+    cache = KernelCache(tmp_path / "cache")
+    assert {s.name for s in load_sources(kdir)} >= {"chain", "fp8_sums"}
+    for s in load_sources(kdir):
+        assert cache.get(s, "sm_90a")

@@ -19,8 +19,11 @@ def test_dynamic_shared_memory_on_top_of_a_kernels_static(cuda):
     from cuda.bindings import driver
 
     kernel = get_kernel("mhc", "hc_chunk_mixes", cuda)
-    err, static = driver.cuFuncGetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, kernel._function)
-    assert err == driver.CUresult.CUDA_SUCCESS and static + 1024 > DEFAULT_SHARED, f"hc_chunk_mixes has {static} bytes of static shared memory"
+    err, dev = driver.cuDeviceGet(torch.cuda.current_device())
+    assert err == driver.CUresult.CUDA_SUCCESS
+    err, static = driver.cuKernelGetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, kernel._kernel, dev)
+    assert err == driver.CUresult.CUDA_SUCCESS, err
+    assert static + 1024 > DEFAULT_SHARED, f"hc_chunk_mixes has {static} bytes of static shared memory"
     tokens, length = 64, 4 * 1024
     x = torch.randn(tokens, length, device=cuda).to(torch.bfloat16)
     fn = torch.randn(24, length, device=cuda)
