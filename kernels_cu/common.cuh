@@ -438,6 +438,24 @@ DSUF_DEVICE void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
                : "memory");
 }
 
+// The L2 policy of data a decode step reads once: its lines are evicted first, so that what the
+// step reads again (the kernels' code, activations, caches) stays in L2 while a layer's ~150 MB
+// of weights pass through its 50 MB.
+DSUF_DEVICE u64 l2_evict_first() {
+  u64 policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// bulk_copy of weights a decode step reads once, evicted first from L2: the copies of the FP8
+// linears' rows (fp8_rows.cu) and of the mHC sites' fn. (The GEMMs' register loads, ld_stream,
+// keep the default policy: evict-first there made batch 8 slower, BENCHMARKS milestone 19.)
+DSUF_DEVICE void bulk_stream(void* dst, const void* src, u32 bytes, u64* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(l2_evict_first())
+               : "memory");
+}
+
 // A TMA tensor map (CUtensorMap, made on the host by cuTensorMapEncodeTiled): kept in a
 // __grid_constant__ kernel parameter, whose address the copies take.
 struct __align__(64) TensorMap {

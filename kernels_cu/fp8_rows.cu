@@ -57,7 +57,7 @@ DSUF_DEVICE void post_rows(u8* dst, int pitch, const u8* w, int K, int r0, int R
   __syncthreads();
   for (int i = threadIdx.x; i < R * chunks; i += ROWS_THREADS) {
     const int c = i / R, r = i % R, kb0 = c * KB / chunks, kb1 = (c + 1) * KB / chunks;
-    bulk_copy(dst + r * pitch + kb0 * 128, w + (i64)(r0 + r) * K + kb0 * 128, (kb1 - kb0) * 128, &bars[(r >> 4) * chunks + c]);
+    bulk_stream(dst + r * pitch + kb0 * 128, w + (i64)(r0 + r) * K + kb0 * 128, (kb1 - kb0) * 128, &bars[(r >> 4) * chunks + c]);
   }
 }
 

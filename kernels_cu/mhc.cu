@@ -33,7 +33,7 @@ extern "C" __global__ void __launch_bounds__(MIX_THREADS) hc_mixes(
   if (threadIdx.x == 0) {
     mbar_init(&bar);
     mbar_expect_bytes(&bar, len * 4);
-    bulk_copy(fs, fn + (i64)r * len, len * 4, &bar);
+    bulk_stream(fs, fn + (i64)r * len, len * 4, &bar);
   }
   pdl_begin();
   __syncthreads();

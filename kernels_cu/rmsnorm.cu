@@ -208,7 +208,7 @@ extern "C" __global__ void __cluster_dims__(1, HC_N, 1) __launch_bounds__(256) h
   if (threadIdx.x == 0) {
     mbar_init(&bar);
     mbar_expect_bytes(&bar, len * 4);
-    bulk_copy(fs, fn + (i64)r * len, len * 4, &bar);
+    bulk_stream(fs, fn + (i64)r * len, len * 4, &bar);
   }
   pdl_begin();
   RowIn<HC_N> in;
