@@ -439,7 +439,7 @@ DSUF_DEVICE void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
 }
 
 // The L2 policy of data a decode step reads once: its lines are evicted first, so that what the
-// step reads again (the kernels' code, activations, caches) stays in L2 while a layer's ~150 MB
+// step reads again (the kernels' code, activations, caches) stays in L2 while a layer's ~130 MB
 // of weights pass through its 50 MB.
 DSUF_DEVICE u64 l2_evict_first() {
   u64 policy;
