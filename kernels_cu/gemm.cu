@@ -283,7 +283,8 @@ DSUF_DEVICE void fp4_stage_x(const GemmParams& p, const int* col_xrow, int cols,
   if (stages_scale) xsc[threadIdx.x] = s;
 }
 
-template <int U, bool SINGLE, bool WG>
+// EARLY: the kernel's PDL wait comes here, after the first weight stage is in flight (see gemm_body).
+template <int U, bool SINGLE, bool WG, bool EARLY>
 DSUF_DEVICE void fp4_tile_s(const GemmParams& p, const u8* w, const u8* ws, int row0, int kc0, int kc1,
                             const int* col_xrow, int cols, void* xs, float* xsc, float acc[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, K = p.K;
@@ -291,6 +292,7 @@ DSUF_DEVICE void fp4_tile_s(const GemmParams& p, const u8* w, const u8* ws, int 
   const u8* sa = ws + (i64)(row0 + g) * (K >> 5);
   Fp4WStage<U> a, b;
   fp4_load_w(a, wa, sa, K, kc0, kc1);  // weights in flight while the activations are staged
+  if (EARLY) pdl_begin();
   fp4_stage_x<WG>(p, col_xrow, cols, kc0, kc1, xs, xsc);
   __syncthreads();
   const float2* xsc2 = reinterpret_cast<const float2*>(xsc);
@@ -306,23 +308,26 @@ DSUF_DEVICE void fp4_tile_s(const GemmParams& p, const u8* w, const u8* ws, int 
 
 // WG: the k-steps' products by wgmma (a warpgroup's 64 rows a step, the activations read by the
 // tensor cores from shared memory as they are), not two f16 mma.sync of converted operands a warp.
-template <int U, bool WG>
+template <int U, bool WG, bool EARLY>
 DSUF_DEVICE void fp4_main(const GemmParams& p, const u8* w, const u8* ws, int row0, int kc0, int kc1,
                           const int* col_xrow, int cols, float acc[4]) {
   __shared__ __align__(128) uint4 xs[FP4_MAX_CHUNKS * 128 / (WG ? 2 : 1)];  // f16: 32 bytes a lane a step; WG: 256 a step
   __shared__ __align__(16) float xsc[FP4_MAX_CHUNKS * 8];
   if (cols == 1) {
-    fp4_tile_s<U, true, WG>(p, w, ws, row0, kc0, kc1, col_xrow, cols, xs, xsc, acc);
+    fp4_tile_s<U, true, WG, EARLY>(p, w, ws, row0, kc0, kc1, col_xrow, cols, xs, xsc, acc);
   } else {
-    fp4_tile_s<U, false, WG>(p, w, ws, row0, kc0, kc1, col_xrow, cols, xs, xsc, acc);
+    fp4_tile_s<U, false, WG, EARLY>(p, w, ws, row0, kc0, kc1, col_xrow, cols, xs, xsc, acc);
   }
 }
 
 DSUF_DEVICE int pair_at(const GemmParams& p, int i) { return p.order ? p.order[i] : i; }
 
 // FP4U: chunks a pipeline stage of the FP4 path (unused for FP8); FP4WG: the products by wgmma
-// (FP8: MT = 1 only).
-template <int FMT, int MT, int EPI, int FP4U, bool FP4WG = false>
+// (FP8: MT = 1 only). EARLY (FP4): the kernel has not waited for its PDL predecessor yet; what it
+// reads before fp4_tile_s waits (pairs, experts, weights, scales) was written before that
+// predecessor (common.cuh), so only the activations wait: the routed w2, whose pairs the router
+// made two launches back, has its first weights in flight during the gate/up launch's tail.
+template <int FMT, int MT, int EPI, int FP4U, bool FP4WG = false, bool EARLY = false>
 DSUF_DEVICE void gemm_body(const GemmParams& p) {
   constexpr int MATS = EPI == EPI_SWIGLU ? 2 : 1, COLS = 8 * MT, STRIDE = COLS * 128;
   __shared__ float red[MATS][STRIDE];  // [mat][col * 128 + row]: this CTA's tile, then the sums
@@ -388,7 +393,7 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
   } else {
     const u8* we = p.w[mat] + expert * p.N * (p.K >> 1);
     const u8* wse = p.ws[mat] + expert * p.N * (p.K >> 5);
-    fp4_main<FP4U, FP4WG>(p, we, wse, row0, kb0, kb1, col_xrow, cols, acc[0]);
+    fp4_main<FP4U, FP4WG, EARLY>(p, we, wse, row0, kb0, kb1, col_xrow, cols, acc[0]);
   }
   if (threadIdx.x < cols) col_w[threadIdx.x] = route_w;  // (visible after the barrier below)
 
@@ -501,11 +506,12 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
   }
 
 // FP4 with staged activations: U chunks a pipeline stage, at least BLOCKS CTAs an SM, WG: wgmma.
+// The w2 launches (EPI_STORE_BF16) wait for their predecessor only before their activations.
 #define DSUF_GEMM_FP4(name, EPI, U, BLOCKS, WG)                                        \
   extern "C" __global__ void __launch_bounds__(256, BLOCKS)                           \
       name(const __grid_constant__ GemmParams p) { \
-    pdl_begin();                                                                       \
-    gemm_body<FMT_FP4, 1, EPI, U, WG>(p);                                              \
+    if (EPI != EPI_STORE_BF16) pdl_begin();                                            \
+    gemm_body<FMT_FP4, 1, EPI, U, WG, EPI == EPI_STORE_BF16>(p);                       \
   }
 
 // Dense FP8 linears for up to 8 * MT tokens (attention projections, the shared expert's w2).

@@ -3,8 +3,8 @@
 Two decode projections read a large weight for a few tokens, so their time is the weight's bytes
 over HBM bandwidth:
 
-- `bf16_gemv`: the compressors' bf16 projections with float32 output, as the reference's
-  `torch.mm(y, proj.t(), out_dtype=torch.float32)`.
+- `bf16_gemv`: the compressors' bf16 projections of one token with float32 output, as the
+  reference's `torch.mm(y, proj.t(), out_dtype=torch.float32)` (more tokens: cuBLAS).
 - `fp8_grouped_gemv`: wo_a, read as FP8 (half the bytes of the bf16 weight the reference
   dequantises to) and turned into that exact bf16 weight in registers, then bf16 products with
   fp32 accumulation and a bf16 output, as the reference's grouped einsum.
@@ -143,11 +143,16 @@ def _output(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype
     return out
 
 
+def bf16_gemv_takes(w: torch.Tensor) -> bool:
+    """Whether bf16_gemv takes w: bf16 [N, K], N a multiple of 64 and K of 64."""
+    return w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[0] % TILE == 0 and w.shape[1] % 64 == 0
+
+
 def bf16_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """x bf16 [M, K] @ w bf16 [N, K]ᵀ -> float32 [M, N], fp32 accumulation. N a multiple of 64,
     K of 64 (1024 and up: of 64 * splits). `splits` forces the K split (1, 2, 4, 8), for tuning."""
     n, k = w.shape
-    if w.dtype != torch.bfloat16 or n % TILE or k % 64:
+    if not bf16_gemv_takes(w):
         raise ValueError(f"bf16_gemv: w must be bf16 [N, K] with N % {TILE} == 0 and K % 64 == 0, got {w.dtype} {tuple(w.shape)}")
     x = _check_x(x, k, "bf16_gemv")
     w = w.contiguous()

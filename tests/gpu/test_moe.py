@@ -281,8 +281,8 @@ def test_moe_of_a_prompt_chunk(cuda, monkeypatch, moe_pair, wgmma):
     to bf16, which the reference keeps in float32). The relative error stays near the decode
     kernels'; single elements move further, because a small change of h can move its FP8 rounding
     for w2 by a whole e4m3 step (2**-3 relative, 32 bf16 ulps). A misplaced pair or expert would
-    give an error near 1. Each expert here has hundreds of pairs: several tiles of 128, the last
-    one partial."""
+    give its token an error near that pair's share of the output. Each expert here has hundreds
+    of pairs: several tiles of 128, the last one partial."""
     from dsuf.gpu import moe as gpu_moe
     from dsuf.gpu.moe import GROUPED_MIN_TOKENS, PREFILL_MIN_TOKENS
     from dsuf.gpu.runtime import device_arch
@@ -300,7 +300,13 @@ def test_moe_of_a_prompt_chunk(cuda, monkeypatch, moe_pair, wgmma):
     weights, idx = moe.route(x, None)
     out = torch.full((tokens, D), float("nan"), dtype=torch.bfloat16, device=cuda)
     kernel(x, weights, idx, out=out)
-    rel, worst = compare(f"MoE of a prompt chunk, {tokens} tokens x ({TOPK} routed + shared)", out, reference_moe(moe, x, weights, idx))
-    assert rel < 6e-3 and worst <= 128.0
+    ref = reference_moe(moe, x, weights, idx)
+    rel, _ = compare(f"MoE of a prompt chunk, {tokens} tokens x ({TOPK} routed + shared)", out, ref)
+    # Per token, not per element: an element whose h crossed an e4m3 rounding can be a whole
+    # rounding of its own off (~128 bf16 ulps, the worst of ~800k elements lands either side of
+    # that), where a misplaced pair moves its token's whole output by that pair's share.
+    token_rel = ((out.double() - ref.double()).norm(dim=1) / ref.double().norm(dim=1)).max()
+    print(f"  worst token: rel err {float(token_rel):.2e}")
+    assert rel < 6e-3 and token_rel < 5e-2  # (H200: 2.0e-2 and 2.1e-2 at 792 and 1,048 tokens)
     assert len(fp4_chunks) == int(wgmma), "the chunk took the wrong path"
     assert torch.equal(kernel(x, weights, idx), out), "not deterministic"
