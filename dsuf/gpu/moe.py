@@ -379,7 +379,9 @@ class Moe:
         distinct: bool = False,
     ) -> torch.Tensor:
         """Each pair's w2 on its own h row: bf16 [P, D] (rounded per expert, as the reference);
-        `order` and `distinct` as for routed_gate_up."""
+        `order` and `distinct` as for routed_gate_up. The kernel reads expert and order before its
+        PDL wait (gemm.cu), so neither may be made by the launch just before it (the gate/up's
+        are the router's, two launches back)."""
         y = out if out is not None else torch.empty((expert.numel(), self.routed.dim), dtype=torch.bfloat16, device=hq.device)
         self._launch("fp4_gemm_bf16_pairs", (self.routed.w2, self.routed.s2), None, expert, order, 1, None, hq, sh, y, None, distinct)
         return y
