@@ -10,14 +10,18 @@
 // Two kernels. moe_prefill_images writes each tile's activations (up to 128 pairs of one expert,
 // listed on the device by dsuf.gpu.moe.prefill_tiles; rows of 0 pairs after them are skipped)
 // chunk by chunk as the images wgmma reads as B, so that the GEMM loads a chunk's B with one bulk
-// copy. moe_prefill_fp4: grid.x = (mat, 128-row block of N), grid.y =
-// tile; two warpgroups take 64 rows each, m64n128k32 steps (m64n64k32 for a tile of at most 64
-// pairs). A warpgroup converts a chunk's A, runs its four steps back to back and promotes; ptxas
-// would serialise wgmmas whose A registers other instructions write while they run, so the
-// other warpgroup is what overlaps. A ring of PF_SLOTS slots holds chunks (the B image by a bulk
-// copy, the 128 rows' FP4 weights by a TMA box, PF_SLOTS - 1 chunks ahead), so that no thread
-// waits for global memory once the ring is full; the weight scales of the CTA's rows are copied
-// whole at the start.
+// copy. moe_prefill_fp4 is persistent: a CTA an SM claims items (tile, mat, 128-row block of N)
+// in tile-major order from a counter as it goes, so that the CTAs running at once share few
+// tiles' images and experts whatever each item costs, and its ring of chunks runs on from one
+// item into the next: the next item's first chunks land while this one's last are summed and its
+// outputs stored, and the ring fills once a CTA, not once an item. Two warpgroups take 64 rows each, m64n128k32 steps
+// (m64n64k32 for a tile of at most 64 pairs). A warpgroup converts a chunk's A, runs its four
+// steps back to back and promotes; ptxas would serialise wgmmas whose A registers other
+// instructions write while they run, so the other warpgroup is what overlaps. A ring of PF_SLOTS
+// slots holds chunks (the B image by a bulk copy, the 128 rows' FP4 weights by a TMA box, PF_SLOTS
+// - 1 chunks ahead), so that no thread waits for global memory once the ring is full; with every
+// fourth chunk come the rows' E8M0 scales of that chunk and the next three (a TMA box of 16 bytes
+// a row, the narrowest there is) into PF_SCALE_SLOTS slots of their own.
 //
 // B image of a chunk (PF_IMAGE_BYTES): k-step s (of 4) at s * PF_STEP_BYTES; in it, for column group cg
 // (8 pairs) and k half h, a core matrix of 8 pairs x 16 bytes at cg * 256 + h * 128 (descriptor LBO
@@ -34,15 +38,19 @@
 #define PF_A_BYTES (PF_ROWS * 64)                  // their FP4 codes of one chunk
 #define PF_SLOT_BYTES (PF_IMAGE_BYTES + PF_A_BYTES)
 #define PF_SLOTS 6
-#define PF_THREADS 256
+#define PF_SCALE_BYTES (PF_ROWS * 16)              // the rows' E8M0 scales of four chunks
+#define PF_SCALE_SLOTS 3                           // enough: see PfRing::refill
+#define PF_ITEM_SLOTS 2
+#define PF_THREADS 288                             // 8 warps summing, then the warp that posts the copies
 
 struct PrefillParams {
   TensorMap w[2];      // FP4 experts [E * N rows, K/2 bytes], kernel layout, boxes of 64 bytes x PF_ROWS
-  TensorMap ws[2];     // their E8M0 scales [E * N rows, K/32 bytes], boxes of K/32 x PF_ROWS; mat 1 (if any) writes columns N..2N-1
+  TensorMap ws[2];     // their E8M0 scales [E * N rows, K/32 bytes], boxes of 16 bytes x PF_ROWS; mat 1 (if any) writes columns N..2N-1
   const u8* images;    // [tiles, K/128, PF_IMAGE_BYTES] (moe_prefill_images)
-  const int* tiles;    // [tiles, 3]: expert, first pair, pairs (1..PF_COLS; 0: no tile)
+  const int* tiles;    // [tiles, 3]: expert, first pair, pairs (1..PF_COLS; 0: no tile, and none after it)
   void* out;           // [P, out_cols], float32 if out_f32 else bf16
-  int N, K, out_cols, out_f32;
+  int* claims;         // items claimed past the first gridDim.x: 0 at the start
+  int N, K, out_cols, out_f32, mats, n_tiles;
 };
 
 // grid (K/128, tiles), 4 * PF_COLS threads: thread (pair c, k-step s) writes its 32 bytes of the image.
@@ -67,23 +75,60 @@ extern "C" __global__ void __launch_bounds__(4 * PF_COLS) moe_prefill_images(con
   if (s == 0) reinterpret_cast<float*>(image + 4 * PF_STEP_BYTES)[c] = row >= 0 ? 64.0f * sx[(i64)row * (K >> 7) + kc] : 0.0f;
 }
 
-// The ring: chunk c's slot is full once its image and weight rows have landed, empty once every
-// warp is done with it.
+// An item: tile (expert, first pair, pairs; 0 pairs: no item), matrix and 128-row block of N.
+struct PfItem {
+  int tile, expert, pair0, cols, mat, rb;
+};
+
+// Item w of the launch's, tile-major (the tiles' rows of no pairs come last).
+DSUF_DEVICE PfItem pf_item_at(const PrefillParams& p, int w) {
+  const int blocks = p.N >> 7, tile = w / (p.mats * blocks);
+  PfItem it{tile, 0, 0, 0, w % (p.mats * blocks) / blocks, w % blocks};
+  if (tile < p.n_tiles) it.expert = p.tiles[3 * tile], it.pair0 = p.tiles[3 * tile + 1], it.cols = p.tiles[3 * tile + 2];
+  return it;
+}
+
+// The ring over the CTA's chunks q = 0, 1, ... (the chunks of its items one after another: item i
+// has q = i * KC..(i + 1) * KC - 1): chunk q's slot is full once its image and weight rows (and for
+// q % 4 == 0 the scales of chunks q..q+3) have landed, empty once every warp is done with it.
+// The producer (a warp of its own, so that no summing warp waits for a slot to empty) claims the
+// items as it posts their first chunks, and writes each into one of PF_ITEM_SLOTS slots before
+// that chunk's barrier completes; the CTA's last claim, past the
+// items, completes the barrier with no copies, so that the warps find no item there and stop.
 struct PfRing {
   u8* smem;
+  u8* scales;  // PF_SCALE_SLOTS x [PF_ROWS][16]
   u64* full;
   u64* empty;
-  const u8* images;    // the tile's
-  const TensorMap* w;  // the matrix's
-  int row;             // the CTA's first weight row
+  PfItem* items;
+  const PrefillParams* p;
+  int claim;  // (the producer's) the next item: blockIdx.x first, then claimed one item ahead, hiding the atomic's latency
+  bool done;  // (the producer's) past the CTA's last item
 
-  // Chunk c into its slot (one thread).
-  DSUF_DEVICE void post(int c) const {
-    const int slot = c % PF_SLOTS;
+  // The producer's step q: chunk q + PF_SLOTS - 1 into the slot of chunk q - 1 once every summing
+  // warp is done with that, if the CTA has it. Its scales' slot last held those of chunks up to
+  // q + PF_SLOTS - 1 - 4 * PF_SCALE_SLOTS + 3 < q - 1, its item's slot the item read at chunk
+  // q + PF_SLOTS - 1 - PF_ITEM_SLOTS * KC <= q - 1 (KC >= 4): done with too.
+  DSUF_DEVICE void refill(int q) {
+    if (done) return;
+    const int KC = p->K >> 7, next = q + PF_SLOTS - 1, c = next % KC, slot = next % PF_SLOTS;
+    if (q > 0) mbar_wait(&empty[(q - 1) % PF_SLOTS], ((q - 1) / PF_SLOTS) & 1);
+    PfItem& it = items[next / KC % PF_ITEM_SLOTS];
+    if (c == 0) {
+      it = pf_item_at(*p, claim);
+      claim = gridDim.x + atomicAdd(p->claims, 1);
+      if (it.cols <= 0) {
+        done = true;
+        mbar_arrive(&full[slot]);
+        return;
+      }
+    }
     u8* s = smem + slot * PF_SLOT_BYTES;
-    mbar_expect_bytes(&full[slot], PF_SLOT_BYTES);
-    bulk_copy(s, images + (i64)c * PF_IMAGE_BYTES, PF_IMAGE_BYTES, &full[slot]);
-    tma_copy_2d(s + PF_IMAGE_BYTES, w, 64 * c, row, &full[slot]);
+    const int row = it.expert * p->N + it.rb * PF_ROWS;
+    mbar_expect_bytes(&full[slot], PF_SLOT_BYTES + (c % 4 ? 0 : PF_SCALE_BYTES));
+    bulk_copy(s, p->images + ((i64)it.tile * KC + c) * PF_IMAGE_BYTES, PF_IMAGE_BYTES, &full[slot]);
+    tma_copy_2d(s + PF_IMAGE_BYTES, &p->w[it.mat], 64 * c, row, &full[slot]);
+    if (c % 4 == 0) tma_copy_2d(scales + next / 4 % PF_SCALE_SLOTS * PF_SCALE_BYTES, &p->ws[it.mat], 4 * c, row, &full[slot]);
   }
 };
 
@@ -123,27 +168,24 @@ DSUF_DEVICE void pf_issue(float (&d)[NP / 2], const u32 (&a)[4], u64 desc) {
   }
 }
 
-// The tile's GEMM over its NP (64 or 128) first columns; acc[4j + q]: row r0 (q < 2) or r0 + 8,
-// pair column 8j + 2t + (q & 1).
+// An item's GEMM over its tile's NP (64 or 128) first columns, its chunks the CTA's q0..q0 + KC - 1;
+// acc[4j + q]: row r0 (q < 2) or r0 + 8, pair column 8j + 2t + (q & 1).
 template <int NP>
-DSUF_DEVICE void pf_tile(const PrefillParams& p, const PfRing& ring, const u8* wscale, int r0, int n0, int pair0, int cols) {
-  const int KC = p.K >> 7, SB = p.K >> 5, t = threadIdx.x & 3;
+DSUF_DEVICE void pf_gemm(const PrefillParams& p, const PfRing& ring, const PfItem& it, int q0, int r0) {
+  const int KC = p.K >> 7, t = threadIdx.x & 3;
   constexpr u64 STEP = PF_STEP_BYTES >> 4;  // the descriptor's address counts 16 bytes
   float acc[NP / 2], d[NP / 2];
 #pragma unroll
   for (int j = 0; j < NP / 2; ++j) acc[j] = 0.0f, d[j] = 0.0f;
-  // No CTA-wide barrier in the loop: a warpgroup waiting for its wgmmas lets the other run. Thread
-  // 0 refills the slot of chunk c - 1 once all warps are done with it, PF_SLOTS - 1 chunks ahead.
+  // No CTA-wide barrier in the loop: a warpgroup waiting for its wgmmas lets the other run.
   for (int c = 0; c < KC; ++c) {
-    if (threadIdx.x == 0 && c + PF_SLOTS - 1 < KC) {
-      if (c > 0) mbar_wait(&ring.empty[(c - 1) % PF_SLOTS], ((c - 1) / PF_SLOTS) & 1);
-      ring.post(c + PF_SLOTS - 1);
-    }
-    const u8* slot = ring.smem + (c % PF_SLOTS) * PF_SLOT_BYTES;
-    mbar_wait(&ring.full[c % PF_SLOTS], (c / PF_SLOTS) & 1);
+    const int q = q0 + c;
+    const u8* slot = ring.smem + (q % PF_SLOTS) * PF_SLOT_BYTES;
+    mbar_wait(&ring.full[q % PF_SLOTS], (q / PF_SLOTS) & 1);
     const uint4 w0 = *reinterpret_cast<const uint4*>(slot + PF_IMAGE_BYTES + r0 * 64 + 16 * t);
     const uint4 w1 = *reinterpret_cast<const uint4*>(slot + PF_IMAGE_BYTES + (r0 + 8) * 64 + 16 * t);
-    const PfRowScale sc0(*reinterpret_cast<const u32*>(wscale + r0 * SB + 4 * c)), sc1(*reinterpret_cast<const u32*>(wscale + (r0 + 8) * SB + 4 * c));
+    const u8* wscale = ring.scales + q / 4 % PF_SCALE_SLOTS * PF_SCALE_BYTES + 4 * (q % 4);  // (chunk q - q % 4 brought them)
+    const PfRowScale sc0(*reinterpret_cast<const u32*>(wscale + r0 * 16)), sc1(*reinterpret_cast<const u32*>(wscale + (r0 + 8) * 16));
     // All four steps' A first: ptxas runs the wgmmas back to back only if no other instruction
     // writes their registers between the first and the wait.
     u32 a0[4], a1[4], a2[4], a3[4];
@@ -170,15 +212,16 @@ DSUF_DEVICE void pf_tile(const PrefillParams& p, const PfRing& ring, const u8* w
       acc[4 * j + 3] = fmaf(d[4 * j + 3], sc1.base * sc.y, acc[4 * j + 3]);
     }
     __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(&ring.empty[c % PF_SLOTS]);
+    if ((threadIdx.x & 31) == 0) mbar_arrive(&ring.empty[q % PF_SLOTS]);
   }
+  const int n0 = it.mat * p.N + it.rb * PF_ROWS + r0;
 #pragma unroll
   for (int j = 0; j < NP / 8; ++j)
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int c = 8 * j + 2 * t + (q & 1), n = n0 + 8 * (q >> 1);
-      if (c >= cols) continue;
-      const i64 at = (i64)(pair0 + c) * p.out_cols + n;
+      if (c >= it.cols) continue;
+      const i64 at = (i64)(it.pair0 + c) * p.out_cols + n;
       if (p.out_f32) {
         static_cast<float*>(p.out)[at] = acc[4 * j + q];
       } else {
@@ -187,32 +230,30 @@ DSUF_DEVICE void pf_tile(const PrefillParams& p, const PfRing& ring, const u8* w
     }
 }
 
-// Dynamic shared memory: PF_SLOTS slots, then the CTA's rows' weight scales [PF_ROWS][K/32].
+// Dynamic shared memory: PF_SLOTS slots, then PF_SCALE_SLOTS of weight scales.
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) moe_prefill_fp4(const __grid_constant__ PrefillParams p) {
   extern __shared__ __align__(128) u8 smem[];
-  __shared__ __align__(8) u64 bars[2 * PF_SLOTS + 1];
-  const int N = p.N, K = p.K, KC = K >> 7, SB = K >> 5;
-  const int blocks = N >> 7, mat = blockIdx.x / blocks, rb = blockIdx.x % blocks;
-  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+  __shared__ __align__(8) u64 bars[2 * PF_SLOTS];
+  __shared__ PfItem items[PF_ITEM_SLOTS];
+  const int KC = p.K >> 7, warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const int r0 = 64 * (warp >> 2) + 16 * (warp & 3) + g;  // this lane's rows r0 and r0 + 8 of the CTA's
-  u8* wscale = smem + PF_SLOTS * PF_SLOT_BYTES;
-  u64* scales = bars + 2 * PF_SLOTS;
-  if (threadIdx.x == 0) mbar_init(bars, PF_SLOTS), mbar_init(bars + PF_SLOTS, PF_SLOTS, PF_THREADS / 32), mbar_init(scales);
+  if (threadIdx.x == 0) mbar_init(bars, PF_SLOTS), mbar_init(bars + PF_SLOTS, PF_SLOTS, 8);
   __syncthreads();
-  pdl_begin();  // (the tiles and images are made just before)
-  const int expert = p.tiles[3 * blockIdx.y], pair0 = p.tiles[3 * blockIdx.y + 1], cols = p.tiles[3 * blockIdx.y + 2];
-  if (cols <= 0) return;  // a row past the tiles: no weights read
-  const PfRing ring{smem, bars, bars + PF_SLOTS, p.images + (i64)blockIdx.y * KC * PF_IMAGE_BYTES, &p.w[mat], expert * N + rb * PF_ROWS};
-  if (threadIdx.x == 0) {
-    mbar_expect_bytes(scales, PF_ROWS * SB);
-    tma_copy_2d(wscale, &p.ws[mat], 0, ring.row, scales);
-    for (int c = 0; c < PF_SLOTS - 1 && c < KC; ++c) ring.post(c);
+  pdl_begin();  // (the tiles, images and claim counter are made just before)
+  PfRing ring{smem, smem + PF_SLOTS * PF_SLOT_BYTES, bars, bars + PF_SLOTS, items, &p, (int)blockIdx.x, false};
+  if (warp == 8) {  // the producer: chunks 0..PF_SLOTS - 2, then one as each is done with
+    if (threadIdx.x == 256)
+      for (int q = 1 - PF_SLOTS; !ring.done; ++q) ring.refill(q);
+    return;
   }
-  mbar_wait(scales, 0);
-  const int n0 = mat * N + rb * PF_ROWS + r0;
-  if (cols > 64) {
-    pf_tile<128>(p, ring, wscale, r0, n0, pair0, cols);
-  } else {
-    pf_tile<64>(p, ring, wscale, r0, n0, pair0, cols);
+  for (int i = 0;; ++i) {
+    mbar_wait(&ring.full[i * KC % PF_SLOTS], (i * KC / PF_SLOTS) & 1);
+    const PfItem it = items[i % PF_ITEM_SLOTS];
+    if (it.cols <= 0) break;
+    if (it.cols > 64) {
+      pf_gemm<128>(p, ring, it, i * KC, r0);
+    } else {
+      pf_gemm<64>(p, ring, it, i * KC, r0);
+    }
   }
 }

@@ -44,7 +44,8 @@ FP4_SPLITS: int | None = None
 PREFILL_WGMMA = True  # prompt chunks' routed experts by moe_prefill_fp4 on sm_90a (tests turn it off)
 PREFILL_COLS = 128  # pairs a tile of moe_prefill_fp4 (PF_COLS in moe_prefill.cu)
 PREFILL_IMAGE_BYTES = 4 * 32 * PREFILL_COLS + 4 * PREFILL_COLS  # a tile's activations of one 128-element chunk and their scales
-PREFILL_SLOTS_BYTES = 6 * (PREFILL_IMAGE_BYTES + 128 * 64)  # its ring: PF_SLOTS chunks of B and of 128 weight rows
+PREFILL_THREADS = 288  # its CTA: 8 warps summing, one posting the copies (PF_THREADS)
+PREFILL_SHARED_BYTES = 6 * (PREFILL_IMAGE_BYTES + 128 * 64) + 3 * 128 * 16  # its ring: PF_SLOTS chunks of B and of 128 weight rows, PF_SCALE_SLOTS of their scales
 PREFILL_OCTAVES = 12  # moe_prefill_fp4 scales a chunk's four k-steps' e4m3 codes by up to 2**12 (PfRowScale)
 GROUPED_MIN_TOKENS = 1024  # from here the experts' bf16 copy (read once) beats the FP4 kernels' passes of 8 tokens an expert
 PREFILL_MIN_TOKENS = 768  # and from here moe_prefill_fp4 does (20 layers, one H200: 512-token prompts -11 %, 768 +16 %)
@@ -172,11 +173,14 @@ class PrefillParams(ctypes.Structure):
         ("images", ctypes.c_void_p),
         ("tiles", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
+        ("claims", ctypes.c_void_p),
         ("N", ctypes.c_int),
         ("K", ctypes.c_int),
         ("out_cols", ctypes.c_int),
         ("out_f32", ctypes.c_int),
-        ("_pad", ctypes.c_byte * 24),  # to the C struct's size, a multiple of its 64-byte alignment
+        ("mats", ctypes.c_int),
+        ("n_tiles", ctypes.c_int),
+        ("_pad", ctypes.c_byte * 8),  # to the C struct's size, a multiple of its 64-byte alignment
     ]
 
 
@@ -216,6 +220,7 @@ class Moe:
         self.counter = torch.zeros(0, dtype=torch.int32, device=device)  # routed launches
         rows = max(shared.w1.shape[0], shared.w2.shape[0])
         self.shared_counter = torch.zeros(rows // CTA_ROWS, dtype=torch.int32, device=device)
+        self.prefill_claims = torch.zeros(1, dtype=torch.int32, device=device)  # moe_prefill_fp4's
         self.side: torch.cuda.Stream | None = None
         # Whether moe_prefill_fp4 can take these experts (decided once; PREFILL_WGMMA at each call).
         self.fp4_prefill = routed.chunks_fit and device.type == "cuda" and device_arch(device) == "sm_90a" and routed.inter % 512 == 0
@@ -307,26 +312,32 @@ class Moe:
         pairs = len(route_w)
         tiles = prefill_tiles(ends, pairs)
         gate_up = torch.empty((pairs, 2 * r.inter), dtype=torch.float32, device=xq.device)
-        self.prefill_gemm(((r.w1, r.s1), (r.w3, r.s3)), prefill_images(xq, sx, x_row, tiles), tiles, gate_up)
+        self.prefill_gemm(((r.w1, r.s1), (r.w3, r.s3)), prefill_images(xq, sx, x_row, tiles), tiles, gate_up, self.prefill_claims)
         hq, sh = act_quant(swiglu(gate_up, self.limit, route_w))
         y_sorted = torch.empty((pairs, r.dim), dtype=torch.bfloat16, device=xq.device)
-        self.prefill_gemm(((r.w2, r.s2),), prefill_images(hq, sh, None, tiles), tiles, y_sorted)
+        self.prefill_gemm(((r.w2, r.s2),), prefill_images(hq, sh, None, tiles), tiles, y_sorted, self.prefill_claims)
         return y_sorted
 
     @staticmethod
-    def prefill_gemm(mats: tuple[tuple[torch.Tensor, torch.Tensor], ...], images: torch.Tensor, tiles: torch.Tensor, out: torch.Tensor) -> None:
-        """out[:, i*N:(i+1)*N] = the tiles' pairs times FP4 matrix i of their expert (moe_prefill_fp4)."""
+    def prefill_gemm(mats: tuple[tuple[torch.Tensor, torch.Tensor], ...], images: torch.Tensor, tiles: torch.Tensor, out: torch.Tensor,
+                     claims: torch.Tensor, ctas: int | None = None) -> None:
+        """out[:, i*N:(i+1)*N] = the tiles' pairs times FP4 matrix i of their expert (moe_prefill_fp4:
+        persistent, `ctas` CTAs or one an SM claiming items of (tile, matrix, 128 rows of N) through
+        `claims`, int32 [1], which it zeroes first)."""
         _, n, half = mats[0][0].shape
         k = 2 * half
-        if n % 128 or k % 512 or k > 8192:  # (K/32 scale bytes a row: one TMA box of at most 256)
-            raise ValueError(f"moe_prefill_fp4: need N % 128 == 0 and K % 512 == 0, K <= 8192, got N={n}, K={k}")
+        if n % 128 or k % 512:
+            raise ValueError(f"moe_prefill_fp4: need N % 128 == 0 and K % 512 == 0, got N={n}, K={k}")
         p = PrefillParams()
         for i, (w, ws) in enumerate(mats):
-            p.w[i], p.ws[i] = tensor_map_2d(w, 64, 128), tensor_map_2d(scale_bytes(ws), k // 32, 128)
-        p.images, p.tiles, p.out = images.data_ptr(), tiles.data_ptr(), out.data_ptr()
+            p.w[i], p.ws[i] = tensor_map_2d(w, 64, 128), tensor_map_2d(scale_bytes(ws), 16, 128)
+        claims.zero_()
+        p.images, p.tiles, p.out, p.claims = images.data_ptr(), tiles.data_ptr(), out.data_ptr(), claims.data_ptr()
         p.N, p.K, p.out_cols, p.out_f32 = n, k, out.shape[1], int(out.dtype == torch.float32)
-        shared = PREFILL_SLOTS_BYTES + 128 * k // 32  # and the CTA's rows' weight scales
-        get_kernel("moe_prefill", "moe_prefill_fp4", images.device)((len(mats) * n // 128, tiles.shape[0], 1), 256, [p], shared=shared)
+        p.mats, p.n_tiles = len(mats), tiles.shape[0]
+        items = tiles.shape[0] * len(mats) * n // 128  # (the tiles past the pairs have none)
+        grid = min(items, ctas or sm_count(images.device))
+        get_kernel("moe_prefill", "moe_prefill_fp4", images.device)((grid, 1, 1), PREFILL_THREADS, [p], shared=PREFILL_SHARED_BYTES)
 
     def _routed_bf16(self, x: torch.Tensor, x_row: torch.Tensor, ends: torch.Tensor, route_w: torch.Tensor) -> torch.Tensor:
         """The sorted pairs' routed outputs bf16 [P, D] by torch._grouped_mm over the experts' bf16

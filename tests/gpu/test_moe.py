@@ -214,20 +214,22 @@ def spread_fp4_weight(experts: int, n: int, k: int, device: torch.device) -> tup
 
 
 @pytest.mark.parametrize(
-    "n, k, mats",
-    [(INTER, D, 2), (INTER // 2, D, 2), (D, INTER // 2, 1)],
-    ids=["gate and up", "a TP=2 rank's gate and up", "a TP=2 rank's down"],
+    "n, k, mats, ctas",
+    [(INTER, D, 2, None), (INTER // 2, D, 2, None), (D, INTER // 2, 1, None), (INTER // 2, D, 2, 3), (D, INTER // 4, 1, 5)],
+    ids=["gate and up", "a TP=2 rank's gate and up", "a TP=2 rank's down", "gate and up on 3 CTAs", "a TP=4 rank's down on 5 CTAs"],
 )
-def test_prefill_gemm_sums_are_the_products_within_wgmma_precision(cuda, n, k, mats):
+def test_prefill_gemm_sums_are_the_products_within_wgmma_precision(cuda, n, k, mats, ctas):
     """moe_prefill_fp4 alone (sm_90a): gate and up (or one matrix: a tensor-parallel rank's down,
-    K = 1024) of 564 pairs of three experts against the float64
+    K = 1024 or 512) of 564 pairs of three experts against the float64
     sums of the same products (the act-quantised activations and the dequantised FP4 weights).
     Expert 0 has 300 pairs (tiles of 128, 128 and 44: the m64n64 steps), expert 3 64, expert 5 200
     (128 and 72: a partial m64n128 tile); the other experts none. The four k-steps of a chunk are
     summed in the tensor cores with each step's codes scaled exactly to the chunk's base (offsets
     up to 12 octaves here); wgmma keeps about 12 bits of a 32-product step's sum of |products| and
     of the chunk's running sum, so every element is within 1e-3 of its sum of |products|; a
-    misplaced column, row, k order, offset or scale is off by about the whole sum."""
+    misplaced column, row, k order, offset or scale is off by about the whole sum. On a few CTAs
+    each takes dozens of items (tile, matrix, 128 rows) through one ring of chunks, which runs on
+    from item to item (at K = 512 an item has fewer chunks than the ring has slots)."""
     from dsuf.gpu.moe import Moe, chunk_exponents_fit, prefill_images, prefill_tiles
     from dsuf.gpu.runtime import device_arch
 
@@ -244,7 +246,8 @@ def test_prefill_gemm_sums_are_the_products_within_wgmma_precision(cuda, n, k, m
     xq, sx = act_quant(x)
     gate_up = torch.full((pairs, len(mats) * n), float("nan"), dtype=torch.float32, device=cuda)
     tiles = prefill_tiles(torch.tensor(bounds[1:], device=cuda), pairs)
-    Moe.prefill_gemm(tuple((permute_fp4(w), s) for w, s in mats), prefill_images(xq, sx, None, tiles), tiles, gate_up)
+    Moe.prefill_gemm(tuple((permute_fp4(w), s) for w, s in mats), prefill_images(xq, sx, None, tiles), tiles, gate_up,
+                     torch.zeros(1, dtype=torch.int32, device=cuda), ctas)
     xd = (xq.double().view(pairs, k // 128, 128) * sx.double().unsqueeze(-1)).view(pairs, k)
     worst = 0.0
     for e, count in runs.items():
@@ -252,7 +255,7 @@ def test_prefill_gemm_sums_are_the_products_within_wgmma_precision(cuda, n, k, m
         w = torch.cat([quant.dequant_fp4_weight(w[e], s[e].view(torch.float8_e8m0fnu)) for w, s in mats]).double()
         exact, mag = xd[rows] @ w.t(), xd[rows].abs() @ w.abs().t()
         worst = max(worst, float(((gate_up[rows].double() - exact).abs() / mag.clamp_min(1e-30)).max()))
-    print(f"\n  moe_prefill_fp4, {len(mats)} x [{n}, {k}] of {pairs} pairs: worst error {worst:.2e} of the sum of |products|")
+    print(f"\n  moe_prefill_fp4 on {f'{ctas} CTAs' if ctas else 'a CTA an SM'}, {len(mats)} x [{n}, {k}] of {pairs} pairs: worst error {worst:.2e} of the sum of |products|")
     assert worst < 1e-3
 
 
