@@ -33,13 +33,10 @@ DSUF_DEVICE float e2m1_value(u32 code) {
   return code & 8 ? -mag : mag;
 }
 
-// A kernel-layout FP4 word's bits back in the checkpoint's places (moe.permute_fp4): byte j's low
-// nibble its even element's code, the high nibble its odd element's.
-DSUF_DEVICE u32 fp4_word_codes(u32 w) {
-  const u32 odd = (w & 0x80808080u) | ((w & 0x1c1c1c1cu) << 2);
-  const u32 even = ((w & 0x20202020u) >> 2) | (w & 0x02020202u) | ((w & 0x40404040u) >> 6) | ((__funnelshift_r(w, w, 8) & 0x01010101u) << 2);
-  return odd | even;
-}
+// A kernel-layout FP4 word's codes (moe.permute_fp4) as the checkpoint's byte j holds them: the
+// even element's code (low nibble) and the odd element's (high nibble).
+DSUF_DEVICE u32 fp4_even_code(u32 w, int j) { return ((w >> (4 * j)) & 7) | ((w >> (8 * j + 4)) & 8); }
+DSUF_DEVICE u32 fp4_odd_code(u32 w, int j) { return ((w >> (16 + 4 * j)) & 7) | ((w >> (8 * j)) & 8); }
 
 // Stacked FP4 experts in the MoE kernels' layout (moe.permute_fp4: in each 64-byte chunk of a row,
 // new word 4t + i holds old word 4i + t, its bits placed anew), rows of K/2 bytes, with E8M0 scales [rows, K/32] ->
@@ -66,12 +63,11 @@ extern "C" __global__ void __launch_bounds__(256) fp4_weight_bf16(const u8* __re
   for (int q = 0; q < 4; ++q) {
     const int in_row = first + q, chunk = in_row >> 4, moved = in_row & 15;
     const int col = chunk * 128 + ((moved & 3) * 4 + (moved >> 2)) * 8;  // new word 4t + i held old word 4i + t
-    const u32 word = fp4_word_codes(q == 0 ? packed.x : q == 1 ? packed.y : q == 2 ? packed.z : packed.w);
+    const u32 word = q == 0 ? packed.x : q == 1 ? packed.y : q == 2 ? packed.z : packed.w;
     const float scale = e8m0_to_f32(scales[col / 32]);
     u32 o[4];
 #pragma unroll
-    for (int b = 0; b < 4; ++b)  // even element: the low nibble
-      o[b] = bf16x2(value[(word >> (8 * b)) & 0xf] * scale, value[(word >> (8 * b + 4)) & 0xf] * scale);
+    for (int b = 0; b < 4; ++b) o[b] = bf16x2(value[fp4_even_code(word, b)] * scale, value[fp4_odd_code(word, b)] * scale);
     *reinterpret_cast<uint4*>(row_out + col) = make_uint4(o[0], o[1], o[2], o[3]);
   }
 }

@@ -9,7 +9,7 @@
 //        [E, N, K/32]; each 64-byte chunk of a row (128 elements) is pre-permuted by
 //        dsuf.gpu.moe.permute_fp4 so that one 16-byte load gives a lane its words for all four
 //        k-steps of the chunk: new[16t + 4i + b] = old[16i + 4t + b]; the bits of each word are
-//        placed for a cheap conversion to e4m3 (fp4_odd_e4m3, fp4_even_e4m3).
+//        placed for a cheap conversion to e4m3 (fp4_e4m3: two byte permutes of a table).
 //
 // mma.m16n8k32 fragments (PTX ISA), lane = 4g + t: A (16x32, row) a0 = row g, k 4t..4t+3;
 // a1 = row g+8, same k; a2/a3 = the same rows at k 16+4t..; B (32x8, col) b0 = column g,
@@ -211,7 +211,8 @@ DSUF_DEVICE void fp4_load_w(Fp4WStage<U>& st, const u8* wa, const u8* sa, int K,
 #define FP4_WG_STEP_BYTES 256
 
 // xs: the staged activations (fp4_stage_x); with WG, desc0 is the descriptor of their k-step 0.
-template <int U, bool SINGLE, bool WG>
+// TIGHT: 64 registers a thread (4 CTAs an SM), the conversion's table made at each use.
+template <int U, bool SINGLE, bool WG, bool TIGHT>
 DSUF_DEVICE void fp4_compute_s(const Fp4WStage<U>& st, const void* xs, u64 desc0, const float2* xsc, int kc, int kc1, float acc[4]) {
   const int lane = threadIdx.x & 31, t = lane & 3;
 #pragma unroll
@@ -221,8 +222,12 @@ DSUF_DEVICE void fp4_compute_s(const Fp4WStage<U>& st, const void* xs, u64 desc0
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const u32 wg = word(st.w[u][0], i), wg8 = word(st.w[u][1], i);
-      const u32 a0 = fp4_even_e4m3(wg), a1 = fp4_even_e4m3(wg8);
-      const u32 a2 = fp4_odd_e4m3(wg), a3 = fp4_odd_e4m3(wg8);
+      u32 a0, a1, a2, a3;
+      if (TIGHT) {
+        fp4_e4m3_unscaled(wg, a0, a2), fp4_e4m3_unscaled(wg8, a1, a3);
+      } else {
+        fp4_e4m3(wg, FP4_E4M3_LO, FP4_E4M3_HI, a0, a2), fp4_e4m3(wg8, FP4_E4M3_LO, FP4_E4M3_HI, a1, a3);
+      }
       float swg, swg8;
       if (i == 0) swg = e8m0_byte<0>(st.s[u][0]), swg8 = e8m0_byte<0>(st.s[u][1]);
       if (i == 1) swg = e8m0_byte<1>(st.s[u][0]), swg8 = e8m0_byte<1>(st.s[u][1]);
@@ -284,7 +289,7 @@ DSUF_DEVICE void fp4_stage_x(const GemmParams& p, const int* col_xrow, int cols,
 }
 
 // EARLY: the kernel's PDL wait comes here, after the first weight stage is in flight (see gemm_body).
-template <int U, bool SINGLE, bool WG, bool EARLY>
+template <int U, bool SINGLE, bool WG, bool EARLY, bool TIGHT>
 DSUF_DEVICE void fp4_tile_s(const GemmParams& p, const u8* w, const u8* ws, int row0, int kc0, int kc1,
                             const int* col_xrow, int cols, void* xs, float* xsc, float acc[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, K = p.K;
@@ -300,23 +305,23 @@ DSUF_DEVICE void fp4_tile_s(const GemmParams& p, const u8* w, const u8* ws, int 
   const int n = kc1 - kc0;
   for (int kc = 0; kc < n; kc += 2 * U) {
     if (kc + U < n) fp4_load_w(b, wa, sa, K, kc0 + kc + U, kc1);
-    fp4_compute_s<U, SINGLE, WG>(a, xs, desc0, xsc2, kc, n, acc);
+    fp4_compute_s<U, SINGLE, WG, TIGHT>(a, xs, desc0, xsc2, kc, n, acc);
     if (kc + 2 * U < n) fp4_load_w(a, wa, sa, K, kc0 + kc + 2 * U, kc1);
-    if (kc + U < n) fp4_compute_s<U, SINGLE, WG>(b, xs, desc0, xsc2, kc + U, n, acc);
+    if (kc + U < n) fp4_compute_s<U, SINGLE, WG, TIGHT>(b, xs, desc0, xsc2, kc + U, n, acc);
   }
 }
 
 // WG: the k-steps' products by wgmma (a warpgroup's 64 rows a step, the activations read by the
 // tensor cores from shared memory as they are), not two f16 mma.sync of converted operands a warp.
-template <int U, bool WG, bool EARLY>
+template <int U, bool WG, bool EARLY, bool TIGHT>
 DSUF_DEVICE void fp4_main(const GemmParams& p, const u8* w, const u8* ws, int row0, int kc0, int kc1,
                           const int* col_xrow, int cols, float acc[4]) {
   __shared__ __align__(128) uint4 xs[FP4_MAX_CHUNKS * 128 / (WG ? 2 : 1)];  // f16: 32 bytes a lane a step; WG: 256 a step
   __shared__ __align__(16) float xsc[FP4_MAX_CHUNKS * 8];
   if (cols == 1) {
-    fp4_tile_s<U, true, WG, EARLY>(p, w, ws, row0, kc0, kc1, col_xrow, cols, xs, xsc, acc);
+    fp4_tile_s<U, true, WG, EARLY, TIGHT>(p, w, ws, row0, kc0, kc1, col_xrow, cols, xs, xsc, acc);
   } else {
-    fp4_tile_s<U, false, WG, EARLY>(p, w, ws, row0, kc0, kc1, col_xrow, cols, xs, xsc, acc);
+    fp4_tile_s<U, false, WG, EARLY, TIGHT>(p, w, ws, row0, kc0, kc1, col_xrow, cols, xs, xsc, acc);
   }
 }
 
@@ -327,7 +332,7 @@ DSUF_DEVICE int pair_at(const GemmParams& p, int i) { return p.order ? p.order[i
 // reads before fp4_tile_s waits (pairs, experts, weights, scales) was written before that
 // predecessor (common.cuh), so only the activations wait: the routed w2, whose pairs the router
 // made two launches back, has its first weights in flight during the gate/up launch's tail.
-template <int FMT, int MT, int EPI, int FP4U, bool FP4WG = false, bool EARLY = false>
+template <int FMT, int MT, int EPI, int FP4U, bool FP4WG = false, bool EARLY = false, bool FP4TIGHT = false>
 DSUF_DEVICE void gemm_body(const GemmParams& p) {
   constexpr int MATS = EPI == EPI_SWIGLU ? 2 : 1, COLS = 8 * MT, STRIDE = COLS * 128;
   __shared__ float red[MATS][STRIDE];  // [mat][col * 128 + row]: this CTA's tile, then the sums
@@ -393,7 +398,7 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
   } else {
     const u8* we = p.w[mat] + expert * p.N * (p.K >> 1);
     const u8* wse = p.ws[mat] + expert * p.N * (p.K >> 5);
-    fp4_main<FP4U, FP4WG, EARLY>(p, we, wse, row0, kb0, kb1, col_xrow, cols, acc[0]);
+    fp4_main<FP4U, FP4WG, EARLY, FP4TIGHT>(p, we, wse, row0, kb0, kb1, col_xrow, cols, acc[0]);
   }
   if (threadIdx.x < cols) col_w[threadIdx.x] = route_w;  // (visible after the barrier below)
 
@@ -511,7 +516,7 @@ DSUF_DEVICE void gemm_body(const GemmParams& p) {
   extern "C" __global__ void __launch_bounds__(256, BLOCKS)                           \
       name(const __grid_constant__ GemmParams p) { \
     if (EPI != EPI_STORE_BF16) pdl_begin();                                            \
-    gemm_body<FMT_FP4, 1, EPI, U, WG, EPI == EPI_STORE_BF16>(p);                       \
+    gemm_body<FMT_FP4, 1, EPI, U, WG, EPI == EPI_STORE_BF16, BLOCKS == 4>(p);         \
   }
 
 // Dense FP8 linears for up to 8 * MT tokens (attention projections, the shared expert's w2).

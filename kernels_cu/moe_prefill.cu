@@ -134,20 +134,19 @@ struct PfRing {
 
 // A lane's row of one chunk: its four k-steps' E8M0 scales e_i (bytes of s) relative to the
 // chunk's base exponent m = max(min e, max e - 12): step i's e4m3 codes are scaled by 2**o_i,
-// o_i = e_i - m in 0..12 (exact), so that the four steps sum in the tensor cores and the chunk is
-// promoted once with 2**m. A step more than 12 below the row's largest has only zero codes
-// (Fp4Experts checks that at load, else the experts take the bf16 path): its o_i (clamped at 0)
-// does not matter.
+// o_i = e_i - m in 0..12 (exact, by the conversion's table), so that the four steps sum in the
+// tensor cores and the chunk is promoted once with 2**m. A step more than 12 below the row's
+// largest has only zero codes (Fp4Experts checks that at load, else the experts take the bf16
+// path): its o_i (clamped at 0) does not matter.
 struct PfRowScale {
-  int o[4], sub[4];  // o_i, and 2 o_i - 1 if o_i > 0 else 0 (e4m3_times_pow2)
+  u32 lo[4], hi[4];  // step i's table (fp4_e4m3_table of o_i)
   float base;        // 2**(m - 127)
 
   DSUF_DEVICE explicit PfRowScale(u32 s) {
     const int e0 = s & 0xff, e1 = (s >> 8) & 0xff, e2 = (s >> 16) & 0xff, e3 = s >> 24;
     const int m = max(min(min(e0, e1), min(e2, e3)), max(max(e0, e1), max(e2, e3)) - 12);
-    o[0] = max(e0 - m, 0), o[1] = max(e1 - m, 0), o[2] = max(e2 - m, 0), o[3] = max(e3 - m, 0);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) sub[i] = max(2 * o[i] - 1, 0);
+    fp4_e4m3_table(max(e0 - m, 0), lo[0], hi[0]), fp4_e4m3_table(max(e1 - m, 0), lo[1], hi[1]);
+    fp4_e4m3_table(max(e2 - m, 0), lo[2], hi[2]), fp4_e4m3_table(max(e3 - m, 0), lo[3], hi[3]);
     base = __int_as_float(max(m << 23, 0x00400000));  // e8m0_to_f32 (code 0: 2**-127)
   }
 };
@@ -155,8 +154,8 @@ struct PfRowScale {
 // k-step I's A (rows g and g + 8 of the lane's weight words) as e4m3 scaled by its rows' 2**o.
 template <int I>
 DSUF_DEVICE void pf_convert(u32 (&a)[4], const uint4& w0, const uint4& w1, const PfRowScale& r0, const PfRowScale& r1) {
-  a[0] = e4m3_times_pow2(fp4_even_e4m3(word(w0, I)), r0.o[I], r0.sub[I]), a[1] = e4m3_times_pow2(fp4_even_e4m3(word(w1, I)), r1.o[I], r1.sub[I]);
-  a[2] = e4m3_times_pow2(fp4_odd_e4m3(word(w0, I)), r0.o[I], r0.sub[I]), a[3] = e4m3_times_pow2(fp4_odd_e4m3(word(w1, I)), r1.o[I], r1.sub[I]);
+  fp4_e4m3(word(w0, I), r0.lo[I], r0.hi[I], a[0], a[2]);
+  fp4_e4m3(word(w1, I), r1.lo[I], r1.hi[I], a[1], a[3]);
 }
 
 template <bool ACC, int NP>

@@ -57,18 +57,20 @@ def permute_fp4(packed: torch.Tensor) -> torch.Tensor:
     64-byte chunk (128 elements) the sixteen 4-byte words are transposed as a 4x4 matrix,
     new[16t + 4i + b] = old[16i + 4t + b], so one 16-byte load gives a lane the word of each of
     the chunk's four 32-element k-steps; then the bits of each word are placed so that the
-    kernels (kernels_cu/gemm.cu: fp4_odd_e4m3, fp4_even_e4m3) turn it into e4m3 in few
-    operations: byte j holds its odd element's code (s, e1, e0, m) at bits 7, 4, 3, 2, its even
-    element's s, e0, m at bits 5, 1, 6, and bit 0 holds the e1 of byte j - 1's even element (byte
-    0: byte 3's)."""
+    kernels turn it into e4m3 by two byte permutes of a table (kernels_cu/fp4.cuh: fp4_e4m3):
+    of byte j's even element (low nibble) the magnitude goes to bits 4j..4j+2 and the sign to bit
+    8j + 7, of its odd element the magnitude to bits 16 + 4j.. and the sign to bit 8j + 3."""
     u = packed.contiguous().view(torch.uint8)
     if u.shape[-1] % 64:
         raise ValueError(f"permute_fp4: packed rows must be a multiple of 64 bytes, got {u.shape[-1]}")
     chunks = u.reshape(*u.shape[:-1], u.shape[-1] // 64, 4, 4, 4)  # [..., chunk, i, t, b]
-    old = chunks.transpose(-3, -2).contiguous()
-    before = old.roll(1, dims=-1)  # byte j - 1 of the same word
-    new = (old & 0x80) | ((old & 0x70) >> 2) | ((old & 0x08) << 2) | (old & 0x02) | ((old & 0x01) << 6) | ((before & 0x04) >> 2)
-    return new.reshape(u.shape)
+    old = chunks.transpose(-3, -2).long()
+    even, odd = old & 0xF, old >> 4
+    j = torch.arange(4, device=u.device)
+    word = ((even & 7) << 4 * j) | ((even >> 3) << 8 * j + 7) | ((odd & 7) << 16 + 4 * j) | ((odd >> 3) << 8 * j + 3)
+    word = word.sum(-1, keepdim=True)  # (the bit fields are disjoint)
+    new = (word >> 8 * j) & 0xFF
+    return new.to(torch.uint8).reshape(u.shape)
 
 
 def chunk_exponents_fit(packed: torch.Tensor, scales: torch.Tensor) -> bool:

@@ -17,27 +17,6 @@ D, INTER, EXPERTS, TOPK, LIMIT = 4096, 2048, 8, 6, 10.0
 NUM = Numerics()
 
 
-def test_permute_fp4_layout():
-    """Inside every 64-byte chunk, word 4t + i is the checkpoint's word 4i + t, its bits placed as
-    documented: byte j's odd code (high nibble) at bits 7, 4, 3, 2; its even code's s, e0, m at
-    bits 5, 1, 6 and its e1 at bit 0 of byte j + 1 (of byte 0 for byte 3). CPU only."""
-    old = torch.randint(0, 256, (3, 256), dtype=torch.uint8)
-    new = permute_fp4(old.view(torch.int8))
-
-    def bit(v: torch.Tensor, i: int) -> torch.Tensor:
-        return (v >> i) & 1
-
-    for chunk in range(4):
-        for t in range(4):
-            for i in range(4):
-                for b in range(4):
-                    o, n = old[:, 64 * chunk + 16 * i + 4 * t + b], new[:, 64 * chunk + 16 * t + 4 * i + b]
-                    after = new[:, 64 * chunk + 16 * t + 4 * i + (b + 1) % 4]
-                    for src, dst in ((7, 7), (6, 4), (5, 3), (4, 2), (3, 5), (1, 1), (0, 6)):
-                        assert bit(n, dst).equal(bit(o, src))
-                    assert bit(after, 0).equal(bit(o, 2))
-
-
 @pytest.fixture(scope="module")
 def moe_pair():
     """(kernel Moe, reference layers.MoE) over the same random checkpoint tensors."""
