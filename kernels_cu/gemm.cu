@@ -332,6 +332,7 @@ DSUF_DEVICE int pair_at(const GemmParams& p, int i) { return p.order ? p.order[i
 // reads before fp4_tile_s waits (pairs, experts, weights, scales) was written before that
 // predecessor (common.cuh), so only the activations wait: the routed w2, whose pairs the router
 // made two launches back, has its first weights in flight during the gate/up launch's tail.
+// FP4TIGHT: the kernel is capped at 64 registers (fp4_compute_s's TIGHT).
 template <int FMT, int MT, int EPI, int FP4U, bool FP4WG = false, bool EARLY = false, bool FP4TIGHT = false>
 DSUF_DEVICE void gemm_body(const GemmParams& p) {
   constexpr int MATS = EPI == EPI_SWIGLU ? 2 : 1, COLS = 8 * MT, STRIDE = COLS * 128;
