@@ -396,6 +396,10 @@ class DecodeLayer:
             b[f"{L}.q"] = rms_norm(self.wq_b.forward_quantized(*b[f"{L}.qr_q"]).view(rows, heads, hd), None, c.norm_eps, rope=(ix.cos, ix.sin))
             for side in sides:
                 main.wait_stream(side)
+            # The site's Sinkhorn too, which only wo_b's mHC expand reads: the kernel after a join
+            # starts only once its predecessor ends (no PDL overlap), and here that kernel is
+            # behind a join already; at wo_b it would be act_quant, ahead of wo_b's weights.
+            wait_for(b, f"{L}.comb{READY}")
             if ratio == 4:
                 for t in (b[f"{L}.weights"], *b[f"{L}.qi"]):  # made on the side streams, read here
                     t.record_stream(main)
