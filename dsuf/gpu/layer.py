@@ -308,7 +308,8 @@ class DecodeLayer:
         sequence share the step, "runs" (int32, compress_decode's); writes f"x{layer + 1}".
         In-place ops touch only tensors made in the same stage (and the caches), so any stage can
         be replayed alone; what a stage leaves running on another stream (the mHC sites'
-        Sinkhorn) is marked in the buffer and awaited by a later stage, at the latest the one that uses it (wait_for)."""
+        Sinkhorn) is marked in the buffer and awaited by a later stage, at the latest by the one
+        that uses it (wait_for)."""
         c, L, ratio = self.c, self.layer, self.ratio
         heads, hd = self.heads, c.head_dim
         kind = layer_kind(ratio)
