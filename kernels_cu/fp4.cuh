@@ -34,7 +34,7 @@ DSUF_DEVICE void fp4_e4m3(u32 w, u32 lo, u32 hi, u32& even, u32& odd) {
 #define FP4_E4M3_HI 0x1c181410u
 DSUF_DEVICE void fp4_e4m3_table(u32 o, u32& lo, u32& hi) {
   const u32 o8 = o << 3;
-  lo = 0x0c080000u + o8 * 0x01010000u + (max(o8, 4u) << 8);
+  lo = (FP4_E4M3_LO & 0xffff00ffu) + o8 * 0x01010000u + (max(o8, 4u) << 8);  // byte 1: the subnormal's place
   hi = FP4_E4M3_HI + o8 * 0x01010101u;
 }
 
