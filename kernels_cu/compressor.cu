@@ -21,6 +21,13 @@
 // the rows of one sequence at consecutive positions, taken in order); a CTA pools 64
 // channels: 16 threads of 4 channels times LN slot lanes. CTA 0 of the cluster gathers the pooled
 // bf16 row from its peers' shared memory, normalises, rotates and writes the entry.
+//
+// A prompt chunk (chunk_rows > 0: rows at positions chunk_first .. chunk_first + chunk_rows - 1 of
+// the sequence whose state is state_row[0]) runs its groups in parallel, cluster y pooling the
+// y-th group the chunk completes: a slot's row comes straight from the chunk's projections (score
+// + ape, as the state would hold it) or, for positions before the chunk, from the sequence's state,
+// which this pass only reads. A second launch with chunk_state set (one cluster) then writes the
+// state the chunk leaves, as its rows applied in order would.
 #include "cache_entries.cuh"
 
 #define NEG_INF __int_as_float(0xff800000)
@@ -44,6 +51,9 @@ struct CompressParams {
   double eps;
   const i64* state_row;  // [B] or null: row b's state is state[state_row[b]] (else state[b])
   const int* runs;       // [R + 1] or null: cluster y takes rows runs[y] .. runs[y + 1] - 1 in order (else row y)
+  int chunk_first;       // a prompt chunk's first position (with chunk_rows)
+  int chunk_rows;        // > 0: the rows are a prompt chunk (pos and runs unused)
+  int chunk_state;       // a prompt chunk's second pass: write the state it leaves
 };
 
 DSUF_DEVICE float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
@@ -63,6 +73,25 @@ DSUF_DEVICE u16 ld_peer_u16(const u16* local, u32 rank) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
   asm volatile("ld.shared::cluster.u16 %0, [%1];" : "=h"(v) : "r"(remote) : "memory");
   return v;
+}
+
+// A prompt chunk's position P at channels col .. col + 3 as the state holds it (kv, score + ape):
+// the chunk's row P - chunk_first, else the sequence's state from before the chunk (its current
+// group's rows from CUR, the previous group's from 0); before position 0, an empty row.
+template <int RATIO, int C, int CUR>
+DSUF_DEVICE void chunk_slot(const CompressParams& p, const float* st_kv, const float* st_score, int P, int col, float4& kv, float4& sc) {
+  if (P >= p.chunk_first) {
+    const i64 q = P - p.chunk_first;
+    kv = ld4(p.kv + q * p.kv_stride + col);
+    sc = add4(ld4(p.score + q * p.score_stride + col), ld4(p.ape + (P % RATIO) * C + col));
+  } else if (P < 0) {
+    kv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    sc = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+  } else {
+    const int r = (P / RATIO == p.chunk_first / RATIO ? CUR : 0) + P % RATIO;
+    kv = ld4(st_kv + r * C + col);
+    sc = ld4(st_score + r * C + col);
+  }
 }
 
 template <int WIDTH, int RATIO, int LN>
@@ -85,12 +114,13 @@ DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
 #pragma unroll
     for (int k = 0; k < WIDTH / NT; ++k) weight[k] = p.norm[threadIdx.x + k * NT];
   }
-  const int pos = p.pos[b];
+  const bool chunk = p.chunk_rows > 0;
+  const int pos = chunk ? p.chunk_first + b : p.pos[b];
   if (pos < 0) return;
   const int phase = pos % RATIO;
   const int s = threadIdx.x >> 4;
   const int c = blockIdx.x * CH + 4 * (threadIdx.x & 15);
-  const i64 row = p.state_row ? p.state_row[b] : (i64)b;
+  const i64 row = chunk ? p.state_row[0] : p.state_row ? p.state_row[b] : (i64)b;
   float* st_kv = p.state_kv + row * NS * C;
   float* st_score = p.state_score + row * NS * C;
   const float* kv_in = p.kv + b * p.kv_stride;
@@ -113,14 +143,16 @@ DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
   for (int i = 0; i < SPT; ++i) {
     const int j = s * SPT + i;
     const int col = OVERLAP && j >= RATIO ? WIDTH + c : c;
-    if (j == NS - 1) {
+    if (chunk) {  // slot j is position (pos / RATIO) * RATIO + j - CUR
+      chunk_slot<RATIO, C, CUR>(p, st_kv, st_score, pos - (NS - 1) + j, col, kv[i], sc[i]);
+    } else if (j == NS - 1) {
       kv[i] = ld4(kv_in + col);
       sc[i] = add4(ld4(score_in + col), ld4(ape + col));
     } else {
       kv[i] = ld4(st_kv + j * C + col);
       sc[i] = ld4(st_score + j * C + col);
     }
-    if (OVERLAP && j >= RATIO) {
+    if (OVERLAP && j >= RATIO && !chunk) {
       if (j == NS - 1) {
         kv_lo[i] = ld4(kv_in + c);
         sc_lo[i] = add4(ld4(score_in + c), ld4(ape + c));
@@ -151,10 +183,10 @@ DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
   }
   __syncthreads();
 
-  // Every state row this CTA pools has been read: move the group on.
+  // Every state row this CTA pools has been read: move the group on (a chunk's state: its second pass).
   const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f), empty = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
 #pragma unroll
-  for (int i = 0; i < SPT; ++i) {
+  for (int i = 0; i < SPT && !chunk; ++i) {
     const int j = s * SPT + i;
     if (OVERLAP && j >= RATIO) {
       const int prev = (j - RATIO) * C;
@@ -271,9 +303,49 @@ DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
   cluster_wait();
 }
 
-// A cluster's rows one after another: rows of one sequence (one state) must join it in position order.
+// The state a prompt chunk leaves: row j holds position (n / RATIO) * RATIO + j - CUR (n: the
+// position after the chunk) if it was fed, else nothing (kv 0, score -inf). All read, then written.
+template <int WIDTH, int RATIO, int LN>
+DSUF_DEVICE void chunk_state(const CompressParams& p) {
+  constexpr bool OVERLAP = RATIO == 4;
+  constexpr int C = OVERLAP ? 2 * WIDTH : WIDTH, NS = OVERLAP ? 2 * RATIO : RATIO, SPT = NS / LN, CUR = OVERLAP ? RATIO : 0;
+  const int s = threadIdx.x >> 4;
+  const int c = blockIdx.x * CH + 4 * (threadIdx.x & 15);
+  const int n = p.chunk_first + p.chunk_rows, base = n / RATIO * RATIO - CUR;
+  float* st_kv = p.state_kv + p.state_row[0] * NS * C;
+  float* st_score = p.state_score + p.state_row[0] * NS * C;
+  float4 kv[SPT][C / WIDTH], sc[SPT][C / WIDTH];
+#pragma unroll
+  for (int i = 0; i < SPT; ++i) {
+#pragma unroll
+    for (int h = 0; h < C / WIDTH; ++h) {
+      const int P = base + s * SPT + i;
+      chunk_slot<RATIO, C, CUR>(p, st_kv, st_score, P < n ? P : -1, h * WIDTH + c, kv[i][h], sc[i][h]);
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < SPT; ++i) {
+#pragma unroll
+    for (int h = 0; h < C / WIDTH; ++h) {
+      const int at = (s * SPT + i) * C + h * WIDTH + c;
+      st4(st_kv + at, kv[i][h]);
+      st4(st_score + at, sc[i][h]);
+    }
+  }
+}
+
+// A cluster's rows one after another: rows of one sequence (one state) must join it in position
+// order. A prompt chunk's cluster y: the row completing its y-th group (or, second pass, the state).
 template <int WIDTH, int RATIO, int LN>
 DSUF_DEVICE void compress_step(const CompressParams& p) {
+  if (p.chunk_rows > 0) {
+    if (p.chunk_state)
+      chunk_state<WIDTH, RATIO, LN>(p);
+    else
+      compress_row<WIDTH, RATIO, LN>(p, RATIO - 1 - p.chunk_first % RATIO + (int)blockIdx.y * RATIO);
+    return;
+  }
   const int first = p.runs ? p.runs[blockIdx.y] : (int)blockIdx.y;
   const int end = p.runs ? p.runs[blockIdx.y + 1] : (int)blockIdx.y + 1;
   for (int b = first; b < end; ++b) {

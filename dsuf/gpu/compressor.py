@@ -44,6 +44,9 @@ class CompressParams(ctypes.Structure):
         ("eps", ctypes.c_double),
         ("state_row", ctypes.c_void_p),
         ("runs", ctypes.c_void_p),
+        ("chunk_first", ctypes.c_int),
+        ("chunk_rows", ctypes.c_int),
+        ("chunk_state", ctypes.c_int),
     ]
 
 
@@ -95,63 +98,27 @@ def compress_decode(
 
     One launch and no state of its own: safe in CUDA graphs and on any stream.
     """
-    width, ratio = norm.shape[0], ape.shape[0]
-    name = KERNELS.get((width, ratio))
-    if name is None:
-        raise ValueError(f"compress_decode: no kernel for width {width}, ratio {ratio} (have {sorted(KERNELS)})")
     batch = positions.shape[0]
-    channels = (2 if ratio == 4 else 1) * width
-    n_state = (2 if ratio == 4 else 1) * ratio
     if positions.dtype != torch.int32 or positions.dim() != 1 or batch > MAX_ROWS:
         raise ValueError(f"compress_decode: positions must be int32 [B], B <= {MAX_ROWS}")
-    kv, score = _rows(kv, batch, channels, "kv"), _rows(score, batch, channels, "score")
     held = state_kv.shape[0] if state_rows is not None else batch
-    for t, what in ((state_kv, "state_kv"), (state_score, "state_score")):
-        if t.dtype != torch.float32 or tuple(t.shape) != (held, n_state, channels) or not t.is_contiguous():
-            raise ValueError(f"compress_decode: {what} must be contiguous float32 [{held}, {n_state}, {channels}]")
     if state_rows is not None and (state_rows.dtype != torch.int64 or tuple(state_rows.shape) != (batch,)):
         raise ValueError(f"compress_decode: state_rows must be int64 [{batch}]")
-    if state_rows is not None:
-        state_rows = state_rows.contiguous()
-    if ape.dtype != torch.float32 or tuple(ape.shape) != (ratio, channels) or norm.dtype != torch.float32:
-        raise ValueError(f"compress_decode: ape must be float32 [{ratio}, {channels}], norm float32 [{width}]")
-    if freqs.dtype != torch.float32 or tuple(freqs.shape) != (ROPE_PAIRS,):
-        raise ValueError(f"compress_decode: freqs must be float32 [{ROPE_PAIRS}]")
-    entry_bytes, slot_dtype = (KV_ENTRY_BYTES, torch.int32) if width == 512 else (INDEX_ENTRY_BYTES, torch.int64)
-    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != entry_bytes or not pool.is_contiguous():
-        raise ValueError(f"compress_decode: the pool must be contiguous uint8 [entries, {entry_bytes}]")
-    if slots.dtype != slot_dtype or tuple(slots.shape) != (batch,):
-        raise ValueError(f"compress_decode: slots must be {slot_dtype} [{batch}]")
-    if latent is not None and (latent.dtype != torch.bfloat16 or tuple(latent.shape) != (batch, width) or not latent.is_contiguous()):
-        raise ValueError(f"compress_decode: latent must be contiguous bf16 [{batch}, {width}]")
+    if latent is not None and (latent.dtype != torch.bfloat16 or tuple(latent.shape) != (batch, norm.shape[0]) or not latent.is_contiguous()):
+        raise ValueError(f"compress_decode: latent must be contiguous bf16 [{batch}, {norm.shape[0]}]")
     if runs is not None and (runs.dtype != torch.int32 or runs.dim() != 1 or not 2 <= runs.shape[0] <= batch + 1):
         raise ValueError(f"compress_decode: runs must be int32 [R + 1], 1 <= R <= {batch}")
+    kernel, params, _inputs = _checked("compress_decode", kv, score, batch, held, state_kv, state_score, ape, norm, freqs, eps, pool, slots)
     if not batch:
         return
-    ape, norm, freqs = ape.contiguous(), norm.contiguous(), freqs.contiguous()
-    params = CompressParams(
-        kv.data_ptr(),
-        score.data_ptr(),
-        positions.data_ptr(),
-        state_kv.data_ptr(),
-        state_score.data_ptr(),
-        ape.data_ptr(),
-        norm.data_ptr(),
-        freqs.data_ptr(),
-        pool.data_ptr(),
-        slots.data_ptr() if width == 512 else 0,
-        slots.data_ptr() if width != 512 else 0,
-        latent.data_ptr() if latent is not None else 0,
-        kv.stride(0),
-        score.stride(0),
-        eps,
-        state_rows.data_ptr() if state_rows is not None else 0,
-        runs.data_ptr() if runs is not None else 0,
-    )
-    threads = 128 if ratio == 4 else 256
+    params.pos = positions.data_ptr()
+    if state_rows is not None:
+        state_rows = state_rows.contiguous()
+        params.state_row = state_rows.data_ptr()
+    params.latent = latent.data_ptr() if latent is not None else 0
+    params.runs = runs.data_ptr() if runs is not None else 0
     # One cluster of width / 64 CTAs per run (the cluster size is compiled into the kernel).
-    clusters = runs.shape[0] - 1 if runs is not None else batch
-    get_kernel("compressor", name, kv.device)((width // CHANNELS_PER_CTA, clusters, 1), threads, [params])
+    kernel((norm.shape[0] // CHANNELS_PER_CTA, runs.shape[0] - 1 if runs is not None else batch, 1), _threads(ape.shape[0]), [params])
 
 
 def compress_chunk(
@@ -170,44 +137,58 @@ def compress_chunk(
 ) -> None:
     """compress_decode for T rows of one sequence at positions first .. first + T - 1 (a prompt
     chunk) with its groups in parallel: the same entries and final state as the rows applied one
-    after another, in one launch of a row a group.
+    after another, in two launches. The first pools every group the chunk completes at once, a
+    cluster a group, each slot's row read from the chunk's projections (score + ape) or, before the
+    chunk, from the sequence's state (int64 `slot` [1] indexes state_kv / state_score); the second
+    writes the state the chunk leaves. kv, score: float32 [T, C]; ape, norm, freqs, eps, pool,
+    slots ([T], row t's entry if it completes a group): as compress_decode."""
+    rows, ratio = kv.shape[0], ape.shape[0]
+    if first < 0 or first + rows > 1 << 31 or not 1 <= rows:
+        raise ValueError(f"compress_chunk: {rows} rows from position {first} are not a chunk")
+    if slot.dtype != torch.int64 or tuple(slot.shape) != (1,):
+        raise ValueError("compress_chunk: slot must be int64 [1]")
+    kernel, params, _inputs = _checked("compress_chunk", kv, score, rows, state_kv.shape[0], state_kv, state_score, ape, norm, freqs, eps, pool, slots)
+    slot = slot.contiguous()
+    params.state_row, params.chunk_first, params.chunk_rows = slot.data_ptr(), first, rows
+    grid_x, threads = norm.shape[0] // CHANNELS_PER_CTA, _threads(ratio)
+    groups = len(range((ratio - 1 - first) % ratio, rows, ratio))  # the groups the chunk completes
+    if groups:
+        kernel((grid_x, groups, 1), threads, [params])
+    params.chunk_state = 1
+    kernel((grid_x, 1, 1), threads, [params])
 
-    A group's pooling needs only its own rows and, for ratio 4, the previous group's; so every
-    group gets a state of its own, as the rows before its last would have left it: the first group
-    the sequence's state (int64 `slot` [1] indexes state_kv / state_score), a later one empty
-    current rows and (ratio 4) the previous group's rows with their ape added; then each group's
-    rows in the chunk join its current rows (score + ape, what the kernel writes for a row that
-    completes nothing), and the kernel runs only the rows that complete a group, all at once. The
-    last group's state is the sequence's afterwards. kv, score, ape, norm, freqs, eps, pool,
-    slots: as compress_decode."""
-    rows, channels = kv.shape
-    ratio = ape.shape[0]
-    first_group, last_group = first // ratio, (first + rows - 1) // ratio
-    groups = last_group - first_group + 1
-    device = kv.device
-    states_kv = torch.zeros((groups, *state_kv.shape[1:]), dtype=torch.float32, device=device)
-    states_score = torch.full_like(states_kv, float("-inf"))
-    states_kv[0], states_score[0] = state_kv[slot][0], state_score[slot][0]
-    positions = torch.arange(first, first + rows, device=device)
-    phase = positions % ratio
-    scored = score + ape[phase]
-    if ratio == 4 and groups > 1:
-        # Every group's rows as the state holds them once the group is complete (score + ape);
-        # rows of the first group fed before this chunk are in the sequence's current rows.
-        offset = first - first_group * ratio
-        done_kv = torch.zeros((groups * ratio, channels), dtype=torch.float32, device=device)
-        done_score = torch.full_like(done_kv, float("-inf"))
-        done_kv[:ratio], done_score[:ratio] = states_kv[0, ratio:], states_score[0, ratio:]
-        done_kv[offset : offset + rows] = kv
-        done_score[offset : offset + rows] = scored
-        states_kv[1:, :ratio] = done_kv.view(groups, ratio, channels)[:-1]
-        states_score[1:, :ratio] = done_score.view(groups, ratio, channels)[:-1]
-    group = positions // ratio - first_group
-    current = (ratio if ratio == 4 else 0) + phase  # the state row a row joins (a completing row's is reset by the kernel)
-    states_kv[group, current], states_score[group, current] = kv, scored
-    first_end = (ratio - 1 - first) % ratio
-    ends = torch.arange(first_end, max(first_end, rows), ratio, device=device)  # the rows that complete a group
-    compress_decode(kv[ends], score[ends], positions[ends].to(torch.int32), states_kv, states_score, ape, norm, freqs, eps, pool, slots[ends],
-                    state_rows=group[ends])
-    state_kv.index_copy_(0, slot, states_kv[-1:])
-    state_score.index_copy_(0, slot, states_score[-1:])
+
+def _threads(ratio: int) -> int:
+    return 128 if ratio == 4 else 256
+
+
+def _checked(what: str, kv: torch.Tensor, score: torch.Tensor, batch: int, held: int, state_kv: torch.Tensor, state_score: torch.Tensor,
+             ape: torch.Tensor, norm: torch.Tensor, freqs: torch.Tensor, eps: float, pool: torch.Tensor, slots: torch.Tensor):
+    """The compressor's kernel, the launch's parameters common to both functions, each argument
+    checked, and the tensors they point to (contiguous copies among them), to be held until the launch."""
+    width, ratio = norm.shape[0], ape.shape[0]
+    name = KERNELS.get((width, ratio))
+    if name is None:
+        raise ValueError(f"{what}: no kernel for width {width}, ratio {ratio} (have {sorted(KERNELS)})")
+    channels = (2 if ratio == 4 else 1) * width
+    n_state = (2 if ratio == 4 else 1) * ratio
+    kv, score = _rows(kv, batch, channels, "kv"), _rows(score, batch, channels, "score")
+    for t, name_of in ((state_kv, "state_kv"), (state_score, "state_score")):
+        if t.dtype != torch.float32 or tuple(t.shape) != (held, n_state, channels) or not t.is_contiguous():
+            raise ValueError(f"{what}: {name_of} must be contiguous float32 [{held}, {n_state}, {channels}]")
+    if ape.dtype != torch.float32 or tuple(ape.shape) != (ratio, channels) or norm.dtype != torch.float32:
+        raise ValueError(f"{what}: ape must be float32 [{ratio}, {channels}], norm float32 [{width}]")
+    if freqs.dtype != torch.float32 or tuple(freqs.shape) != (ROPE_PAIRS,):
+        raise ValueError(f"{what}: freqs must be float32 [{ROPE_PAIRS}]")
+    entry_bytes, slot_dtype = (KV_ENTRY_BYTES, torch.int32) if width == 512 else (INDEX_ENTRY_BYTES, torch.int64)
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != entry_bytes or not pool.is_contiguous():
+        raise ValueError(f"{what}: the pool must be contiguous uint8 [entries, {entry_bytes}]")
+    if slots.dtype != slot_dtype or tuple(slots.shape) != (batch,):
+        raise ValueError(f"{what}: slots must be {slot_dtype} [{batch}]")
+    ape, norm, freqs, slots = ape.contiguous(), norm.contiguous(), freqs.contiguous(), slots.contiguous()
+    params = CompressParams(
+        kv=kv.data_ptr(), score=score.data_ptr(), state_kv=state_kv.data_ptr(), state_score=state_score.data_ptr(), ape=ape.data_ptr(),
+        norm=norm.data_ptr(), freqs=freqs.data_ptr(), pool=pool.data_ptr(), kv_slot=slots.data_ptr() if width == 512 else 0,
+        key_row=slots.data_ptr() if width != 512 else 0, kv_stride=kv.stride(0), score_stride=score.stride(0), eps=eps,
+    )
+    return get_kernel("compressor", name, kv.device), params, (kv, score, ape, norm, freqs, slots)
