@@ -22,8 +22,8 @@
 // channels: 16 threads of 4 channels times LN slot lanes. CTA 0 of the cluster gathers the pooled
 // bf16 row from its peers' shared memory, normalises, rotates and writes the entry.
 //
-// A prompt chunk (chunk_rows > 0: rows at positions chunk_first .. chunk_first + chunk_rows - 1 of
-// the sequence whose state is state_row[0]) runs its groups in parallel, cluster y pooling the
+// A prompt chunk (the kernels NAME_chunk: rows at positions chunk_first .. chunk_first + chunk_rows
+// - 1 of the sequence whose state is state_row[0]) runs its groups in parallel, cluster y pooling the
 // y-th group the chunk completes: a slot's row comes straight from the chunk's projections (score
 // + ape, as the state would hold it) or, for positions before the chunk, from the sequence's state,
 // which this pass only reads. A second launch with chunk_state set (one cluster) then writes the
@@ -51,9 +51,9 @@ struct CompressParams {
   double eps;
   const i64* state_row;  // [B] or null: row b's state is state[state_row[b]] (else state[b])
   const int* runs;       // [R + 1] or null: cluster y takes rows runs[y] .. runs[y + 1] - 1 in order (else row y)
-  int chunk_first;       // a prompt chunk's first position (with chunk_rows)
-  int chunk_rows;        // > 0: the rows are a prompt chunk (pos and runs unused)
-  int chunk_state;       // a prompt chunk's second pass: write the state it leaves
+  int chunk_first;       // NAME_chunk: the chunk's first position and rows (pos, runs unused)
+  int chunk_rows;
+  int chunk_state;       // NAME_chunk's second pass: write the state the chunk leaves
 };
 
 DSUF_DEVICE float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
@@ -94,7 +94,7 @@ DSUF_DEVICE void chunk_slot(const CompressParams& p, const float* st_kv, const f
   }
 }
 
-template <int WIDTH, int RATIO, int LN>
+template <int WIDTH, int RATIO, int LN, bool CHUNK>
 DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
   constexpr bool OVERLAP = RATIO == 4;
   constexpr int C = OVERLAP ? 2 * WIDTH : WIDTH;   // projection / state channels
@@ -114,13 +114,12 @@ DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
 #pragma unroll
     for (int k = 0; k < WIDTH / NT; ++k) weight[k] = p.norm[threadIdx.x + k * NT];
   }
-  const bool chunk = p.chunk_rows > 0;
-  const int pos = chunk ? p.chunk_first + b : p.pos[b];
+  const int pos = CHUNK ? p.chunk_first + b : p.pos[b];
   if (pos < 0) return;
   const int phase = pos % RATIO;
   const int s = threadIdx.x >> 4;
   const int c = blockIdx.x * CH + 4 * (threadIdx.x & 15);
-  const i64 row = chunk ? p.state_row[0] : p.state_row ? p.state_row[b] : (i64)b;
+  const i64 row = CHUNK ? p.state_row[0] : p.state_row ? p.state_row[b] : (i64)b;
   float* st_kv = p.state_kv + row * NS * C;
   float* st_score = p.state_score + row * NS * C;
   const float* kv_in = p.kv + b * p.kv_stride;
@@ -143,7 +142,7 @@ DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
   for (int i = 0; i < SPT; ++i) {
     const int j = s * SPT + i;
     const int col = OVERLAP && j >= RATIO ? WIDTH + c : c;
-    if (chunk) {  // slot j is position (pos / RATIO) * RATIO + j - CUR
+    if (CHUNK) {  // slot j is position (pos / RATIO) * RATIO + j - CUR
       chunk_slot<RATIO, C, CUR>(p, st_kv, st_score, pos - (NS - 1) + j, col, kv[i], sc[i]);
     } else if (j == NS - 1) {
       kv[i] = ld4(kv_in + col);
@@ -152,7 +151,7 @@ DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
       kv[i] = ld4(st_kv + j * C + col);
       sc[i] = ld4(st_score + j * C + col);
     }
-    if (OVERLAP && j >= RATIO && !chunk) {
+    if (OVERLAP && j >= RATIO && !CHUNK) {
       if (j == NS - 1) {
         kv_lo[i] = ld4(kv_in + c);
         sc_lo[i] = add4(ld4(score_in + c), ld4(ape + c));
@@ -186,7 +185,7 @@ DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
   // Every state row this CTA pools has been read: move the group on (a chunk's state: its second pass).
   const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f), empty = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
 #pragma unroll
-  for (int i = 0; i < SPT && !chunk; ++i) {
+  for (int i = 0; i < SPT && !CHUNK; ++i) {
     const int j = s * SPT + i;
     if (OVERLAP && j >= RATIO) {
       const int prev = (j - RATIO) * C;
@@ -335,36 +334,39 @@ DSUF_DEVICE void chunk_state(const CompressParams& p) {
   }
 }
 
-// A cluster's rows one after another: rows of one sequence (one state) must join it in position
-// order. A prompt chunk's cluster y: the row completing its y-th group (or, second pass, the state).
+// A prompt chunk's cluster y: the row completing its y-th group (or, second pass, the state).
+template <int WIDTH, int RATIO, int LN>
+DSUF_DEVICE void compress_chunk_pass(const CompressParams& p) {
+  if (p.chunk_state)
+    chunk_state<WIDTH, RATIO, LN>(p);
+  else
+    compress_row<WIDTH, RATIO, LN, true>(p, RATIO - 1 - p.chunk_first % RATIO + (int)blockIdx.y * RATIO);
+}
+
+// A cluster's rows one after another: rows of one sequence (one state) must join it in position order.
 template <int WIDTH, int RATIO, int LN>
 DSUF_DEVICE void compress_step(const CompressParams& p) {
-  if (p.chunk_rows > 0) {
-    if (p.chunk_state)
-      chunk_state<WIDTH, RATIO, LN>(p);
-    else
-      compress_row<WIDTH, RATIO, LN>(p, RATIO - 1 - p.chunk_first % RATIO + (int)blockIdx.y * RATIO);
-    return;
-  }
   const int first = p.runs ? p.runs[blockIdx.y] : (int)blockIdx.y;
   const int end = p.runs ? p.runs[blockIdx.y + 1] : (int)blockIdx.y + 1;
   for (int b = first; b < end; ++b) {
-    compress_row<WIDTH, RATIO, LN>(p, b);
+    compress_row<WIDTH, RATIO, LN, false>(p, b);
     __syncthreads();  // this row's state writes before the next row's reads (other threads' lanes)
   }
 }
 
-extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(128) compress_csa(const __grid_constant__ CompressParams p) {
-  pdl_begin();
-  compress_step<512, 4, 8>(p);
-}
+// Each compressor's decode kernel NAME and prompt-chunk kernel NAME_chunk (apart, so that the
+// decode kernel's code is not the chunk's too).
+#define COMPRESSOR_KERNELS(NAME, WIDTH, RATIO, LN)                                                                              \
+  extern "C" __global__ void __cluster_dims__(WIDTH / CH, 1, 1) __launch_bounds__(16 * LN) NAME(const __grid_constant__ CompressParams p) { \
+    pdl_begin();                                                                                                                 \
+    compress_step<WIDTH, RATIO, LN>(p);                                                                                          \
+  }                                                                                                                              \
+  extern "C" __global__ void __cluster_dims__(WIDTH / CH, 1, 1) __launch_bounds__(16 * LN)                                       \
+      NAME##_chunk(const __grid_constant__ CompressParams p) {                                                                   \
+    pdl_begin();                                                                                                                 \
+    compress_chunk_pass<WIDTH, RATIO, LN>(p);                                                                                    \
+  }
 
-extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(256) compress_hca(const __grid_constant__ CompressParams p) {
-  pdl_begin();
-  compress_step<512, 128, 16>(p);
-}
-
-extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(128) compress_index(const __grid_constant__ CompressParams p) {
-  pdl_begin();
-  compress_step<128, 4, 8>(p);
-}
+COMPRESSOR_KERNELS(compress_csa, 512, 4, 8)
+COMPRESSOR_KERNELS(compress_hca, 512, 128, 16)
+COMPRESSOR_KERNELS(compress_index, 128, 4, 8)

@@ -1,6 +1,7 @@
 """One decode step of V4's KV compressors as one kernel (kernels_cu/compressor.cu): the state
 update, the gated pooling of a completed group, its RMSNorm and RoPE, and the cache-entry write,
-for B sequences at their own positions (a device tensor, so one CUDA graph serves every step).
+for B sequences at their own positions (a device tensor, so one CUDA graph serves every step);
+and a prompt chunk's groups all at once (compress_chunk: each compressor's NAME_chunk kernel).
 
 The three compressors of V4-Flash: the CSA layers' main compressor (ratio 4, width 512, overlapping
 windows) and their indexer's (ratio 4, width 128, Hadamard-rotated FP4 keys), and the HCA layers'
@@ -164,8 +165,9 @@ def _threads(ratio: int) -> int:
 
 def _checked(what: str, kv: torch.Tensor, score: torch.Tensor, batch: int, held: int, state_kv: torch.Tensor, state_score: torch.Tensor,
              ape: torch.Tensor, norm: torch.Tensor, freqs: torch.Tensor, eps: float, pool: torch.Tensor, slots: torch.Tensor):
-    """The compressor's kernel, the launch's parameters common to both functions, each argument
-    checked, and the tensors they point to (contiguous copies among them), to be held until the launch."""
+    """`what`'s kernel (compress_chunk's: NAME_chunk), the launch's parameters common to both
+    functions, each argument checked, and the tensors they point to (contiguous copies among them),
+    to be held until the launch."""
     width, ratio = norm.shape[0], ape.shape[0]
     name = KERNELS.get((width, ratio))
     if name is None:
@@ -191,4 +193,4 @@ def _checked(what: str, kv: torch.Tensor, score: torch.Tensor, batch: int, held:
         norm=norm.data_ptr(), freqs=freqs.data_ptr(), pool=pool.data_ptr(), kv_slot=slots.data_ptr() if width == 512 else 0,
         key_row=slots.data_ptr() if width != 512 else 0, kv_stride=kv.stride(0), score_stride=score.stride(0), eps=eps,
     )
-    return get_kernel("compressor", name, kv.device), params, (kv, score, ape, norm, freqs, slots)
+    return get_kernel("compressor", name + ("_chunk" if what == "compress_chunk" else ""), kv.device), params, (kv, score, ape, norm, freqs, slots)
