@@ -71,7 +71,7 @@ DSUF_DEVICE void key_scale_range(u32 s, int& lowest, int& highest) {
 #define FAST_SPREAD 8
 
 template <bool FAST>
-DSUF_DEVICE void score_keys(const u32 (&wa)[4], const u32 (&wb)[4], u32 sa, u32 sb, const u32 (&b0)[8][4], const u32 (&b1)[8][4],
+DSUF_DEVICE void score_keys(const u32 (&wa)[4], const u32 (&wb)[4], u32 sa, u32 sb, const uint4 (*qb_s)[4][32],
                             const double* qs_s, const float* qf_s, const float* w_s, double& score_a, double& score_b) {
   const int t = threadIdx.x & 3;
   double ska[4], skb[4];
@@ -90,7 +90,7 @@ DSUF_DEVICE void score_keys(const u32 (&wa)[4], const u32 (&wb)[4], u32 sa, u32 
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
       float d[4];
-      mma_e4m3(d, e2m1_lo(wa[b]), e2m1_lo(wb[b]), e2m1_hi(wa[b]), e2m1_hi(wb[b]), b0[nt][b], b1[nt][b]);
+      mma_e4m3_f16b(d, e2m1_lo(wa[b]), e2m1_lo(wb[b]), e2m1_hi(wa[b]), e2m1_hi(wb[b]), qb_s[nt][b][threadIdx.x & 31]);
       if (FAST) {  // every product and partial sum exact: fused or not, the same value
         const float q0 = qf_s[h0 * 4 + b], q1 = qf_s[h1 * 4 + b];
         dof[0] = fmaf(d[0], q0 * fka[b], dof[0]);
@@ -122,6 +122,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) index_scores(const __grid_c
   __shared__ double qs_s[IDX_HEADS * 4];  // q scale * 64 (undoes the 2**-6 of the key bytes)
   __shared__ float qf_s[IDX_HEADS * 4];   // the same in float32
   __shared__ float w_s[IDX_HEADS];
+  __shared__ uint4 qb_s[8][4][32];  // the row's queries as mma_e4m3_f16b's B: head tile, block, lane
   __shared__ int q_spread, q_lowest, q_highest, q_pow2;  // over the row's 64 heads: a head's largest exponent spread, the smallest and largest exponent, all powers of two
   const int row = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int n = p.n_keys[row];
@@ -157,17 +158,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) index_scores(const __grid_c
     atomicMax(&q_spread, hi - lo);
   }
 
-  // B fragments of all 64 heads (8 tiles of 8) x 4 blocks: head 8 nt + g, elements 32 b + 8 t ..
-  u32 b0[8][4], b1[8][4];
+  // B fragments of all 64 heads (8 tiles of 8) x 4 blocks, converted once for the CTA's keys: lane
+  // 4 g' + t' of tile nt, block b holds head 8 nt + g', elements 32 b + 8 t' .. (even ones at k
+  // slots 4t' .., odd ones at 16 + 4t' ..), as the key's nibbles lie in the lane's word.
   const u8* q = p.q + (i64)row * IDX_HEADS * IDX_DIM;
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      const uint2 x = *reinterpret_cast<const uint2*>(q + (8 * nt + g) * IDX_DIM + 32 * b + 8 * t);
-      b0[nt][b] = __byte_perm(x.x, x.y, 0x6420);  // even elements: k slots 4t .. 4t+3
-      b1[nt][b] = __byte_perm(x.x, x.y, 0x7531);  // odd elements: k slots 16+4t ..
-    }
+  for (int i = threadIdx.x; i < 8 * 4 * 32; i += blockDim.x) {
+    const int nt = i >> 7, b = (i >> 5) & 3, l = i & 31;
+    const uint2 x = *reinterpret_cast<const uint2*>(q + (8 * nt + (l >> 2)) * IDX_DIM + 32 * b + 8 * (l & 3));
+    qb_s[nt][b][l] = e4m3_b_to_f16(__byte_perm(x.x, x.y, 0x6420), __byte_perm(x.x, x.y, 0x7531));
+  }
   __syncthreads();
   // The scales' exponents (q scale's + key scale's) between -87 and 100: products, terms and sums
   // all normal float32 values with room to spare.
@@ -196,9 +195,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) index_scores(const __grid_c
                       q_high + max(high_a, high_b) - 127 <= 100;
     double score_a = 0.0, score_b = 0.0;
     if (__all_sync(0xffffffffu, fits)) {
-      score_keys<true>(wa, wb, sa, sb, b0, b1, qs_s, qf_s, w_s, score_a, score_b);
+      score_keys<true>(wa, wb, sa, sb, qb_s, qs_s, qf_s, w_s, score_a, score_b);
     } else {
-      score_keys<false>(wa, wb, sa, sb, b0, b1, qs_s, qf_s, w_s, score_a, score_b);
+      score_keys<false>(wa, wb, sa, sb, qb_s, qs_s, qf_s, w_s, score_a, score_b);
     }
     score_a += __shfl_xor_sync(0xffffffffu, score_a, 1);
     score_a += __shfl_xor_sync(0xffffffffu, score_a, 2);
@@ -511,7 +510,9 @@ DSUF_DEVICE void topk_rows(const TopkParams& p) {
 }
 
 // A CTA of 1024 threads; rows (slices, candidate lists) of up to 2048 keys are searched by its first
-// 256 alone: fewer warps to wait for at each of the search's barriers.
+// 256 alone: fewer warps to wait for at each of the search's barriers. topk_select_short: launches
+// whose rows all have at most 2048 keys (a prompt chunk's thousands of rows), 256 threads a CTA
+// and several CTAs an SM.
 extern "C" __global__ void __launch_bounds__(1024, 1) topk_select(const __grid_constant__ TopkParams p) {
   pdl_begin();
   if (topk_keys(p, p.n_keys[blockIdx.x]) > 2048) {
@@ -519,4 +520,9 @@ extern "C" __global__ void __launch_bounds__(1024, 1) topk_select(const __grid_c
   } else if (threadIdx.x < 256) {
     topk_rows<256>(p);
   }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 4) topk_select_short(const __grid_constant__ TopkParams p) {
+  pdl_begin();
+  topk_rows<256>(p);
 }

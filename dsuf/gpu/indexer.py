@@ -28,6 +28,8 @@ FP4_BLOCK = 32
 TOPK_THREADS = 1024
 TOPK_SHARED_MAX = 192 << 10  # scores a top-k CTA stages in shared memory: up to 48k per row
 TOPK_SLICE = 16384  # rows longer than a CTA stages are cut into slices of this many keys (a first pass)
+TOPK_SHORT = 2048  # rows of at most this many keys: topk_select_short, 256 threads a CTA, several CTAs an SM
+TOPK_SHORT_THREADS = 256
 
 
 def _fp4_quant(x: torch.Tensor, q: torch.Tensor | None, q_scale: torch.Tensor | None, pool: torch.Tensor | None, dst: torch.Tensor | None) -> None:
@@ -211,6 +213,10 @@ def topk_indices(
     p.stride, p.out_stride, p.out_col, p.k = stride, out.stride(0), out_col, k
     if cand is not None:
         p.cand, p.cand_stride, p.cand_slice = cand.data_ptr(), cand.shape[1], TOPK_SLICE
-    p.cache = min(cand.shape[1] if cand is not None else stride, TOPK_SHARED_MAX // 4)
-    select((rows, 1, 1), TOPK_THREADS, [p], shared=4 * p.cache)
+    keys = cand.shape[1] if cand is not None else stride
+    p.cache = min(keys, TOPK_SHARED_MAX // 4)
+    if keys <= TOPK_SHORT:
+        get_kernel("indexer", "topk_select_short", scores.device)((rows, 1, 1), TOPK_SHORT_THREADS, [p], shared=4 * p.cache)
+    else:
+        select((rows, 1, 1), TOPK_THREADS, [p], shared=4 * p.cache)
     return out

@@ -156,9 +156,10 @@ def test_index_scores_form_the_head_weights_from_the_raw_projection(cuda):
 
 
 # Rows' key counts, and the row stride where it is longer than the longest row: a cache sized for
-# 1M context holding short ones (most of the first pass's slices empty).
+# 1M context holding short ones (most of the first pass's slices empty); rows of at most 2048 keys
+# (topk_select_short), and long ones whose slices leave at most 2048 candidates (60000: 4 slices).
 @pytest.mark.parametrize(
-    "n_keys, stride", [([100], 0), ([4096], 0), ([16384, 300, 16000], 0), ([60000], 0), ([262144, 1000], 0), ([131072, 300, 0], 0), ([1024, 5000, 20000, 0], 262144)]
+    "n_keys, stride", [([100], 0), ([2048, 700, 0, 1500, 513], 0), ([4096], 0), ([16384, 300, 16000], 0), ([60000], 0), ([262144, 1000], 0), ([131072, 300, 0], 0), ([1024, 5000, 20000, 0], 262144)]
 )
 @pytest.mark.parametrize("kind", ["bf16", "ties", "nudged", "float32"])
 def test_topk(cuda, n_keys, stride, kind):
