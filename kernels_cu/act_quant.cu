@@ -2,7 +2,9 @@
 // quant.act_quant_fp8): x bf16 [M, K] -> xq e4m3 [M, K] and sx float32 [M, K/128], with
 // x ~= xq * sx. One warp per 128-element block; each lane owns 4 consecutive elements.
 // act_fake_quant_bf16 writes the quantised values themselves, xq * sx, as bf16 (exact): the
-// input of the prefill path's bf16 GEMMs.
+// input of the prefill path's bf16 GEMMs. swiglu_act_quant_f32 quantises the experts' SwiGLU (dequant.cu's
+// swiglu_f32) of float32 gate_up [P, 2I] as act_quant_bf16 quantises its bf16 output, without
+// writing that output.
 #include "common.cuh"
 
 struct Block {
@@ -53,4 +55,23 @@ extern "C" __global__ void __launch_bounds__(256) act_fake_quant_bf16(const u16*
   e4m3x2_to_f32x2(q, v[0], v[1]);
   e4m3x2_to_f32x2(q >> 16, v[2], v[3]);
   *reinterpret_cast<uint2*>(out + b.at) = make_uint2(bf16x2(v[0] * scale, v[1] * scale), bf16x2(v[2] * scale, v[3] * scale));
+}
+
+extern "C" __global__ void __launch_bounds__(256) swiglu_act_quant_f32(
+    const float* __restrict__ gate_up, const float* __restrict__ weight, u8* __restrict__ hq, float* __restrict__ sh, int pairs, int I, float limit) {
+  pdl_begin();
+  const int lane = threadIdx.x & 31, kb_count = I >> 7;
+  Block b;
+  b.index = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (b.index >= pairs * kb_count) return;
+  const int p = b.index / kb_count, j = (b.index - p * kb_count) * 128 + lane * 4;
+  b.at = (i64)p * I + j;
+  const float4 g = *reinterpret_cast<const float4*>(gate_up + (i64)p * 2 * I + j);
+  const float4 u = *reinterpret_cast<const float4*>(gate_up + (i64)p * 2 * I + I + j);
+  const float* w = weight ? weight + p : nullptr;
+  b.raw = make_uint2(bf16x2(swiglu_value(g.x, u.x, w, limit), swiglu_value(g.y, u.y, w, limit)),
+                     bf16x2(swiglu_value(g.z, u.z, w, limit), swiglu_value(g.w, u.w, w, limit)));
+  int e;
+  *reinterpret_cast<u32*>(hq + b.at) = quant_block(b, e);
+  if (lane == 0) sh[b.index] = pow2f(e);
 }

@@ -256,6 +256,17 @@ DSUF_DEVICE float silu_f64(float g) {
   return (float)(x / (1.0 + exp(-x)));
 }
 
+// One element of layers.Expert's SwiGLU: up clamped to [-limit, limit], gate to at most limit
+// (limit > 0), silu(gate) in float64 rounded to float32, times up, times the routing weight w
+// (w_row: null for none), each product rounded to float32.
+DSUF_DEVICE float swiglu_value(float gate, float up, const float* w_row, float limit) {
+  if (limit > 0.0f) {
+    up = fminf(fmaxf(up, -limit), limit);
+    gate = fminf(gate, limit);
+  }
+  return w_row ? *w_row * (silu_f64(gate) * up) : silu_f64(gate) * up;
+}
+
 DSUF_DEVICE u32 bf16x2(float lo, float hi) { return f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16); }
 
 // The 2N bf16 values packed in N words as floats (low half first), and their largest magnitude.

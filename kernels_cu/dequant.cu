@@ -72,10 +72,9 @@ extern "C" __global__ void __launch_bounds__(256) fp4_weight_bf16(const u8* __re
   }
 }
 
-// The experts' SwiGLU as layers.Expert computes it: up clamped to [-limit, limit], gate to at most
-// limit (limit > 0), silu(gate) in float64 rounded to float32, times up, times the routing weight
-// (when given), rounded to bf16. gate_up [P, 2I]: gate in columns [0, I), up in [I, 2I); float32
-// (the shared expert, from cuBLAS) or bf16 (routed experts: torch._grouped_mm writes bf16).
+// The experts' SwiGLU as layers.Expert computes it (common.cuh swiglu_value), rounded to bf16.
+// gate_up [P, 2I]: gate in columns [0, I), up in [I, 2I); float32 (cuBLAS, moe_prefill_fp4) or
+// bf16 (routed experts by torch._grouped_mm, which writes bf16).
 template <typename T>
 DSUF_DEVICE float load_f32(const T* p);
 template <>
@@ -92,12 +91,7 @@ DSUF_DEVICE void swiglu(const T* gate_up, const float* weight, u16* h, i64 pairs
   float out[2];
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
-    float gate = load_f32(gate_up + p * 2 * I + j + k), up = load_f32(gate_up + p * 2 * I + I + j + k);
-    if (limit > 0.0f) {
-      up = fminf(fmaxf(up, -limit), limit);
-      gate = fminf(gate, limit);
-    }
-    out[k] = weight ? weight[p] * (silu_f64(gate) * up) : silu_f64(gate) * up;
+    out[k] = swiglu_value(load_f32(gate_up + p * 2 * I + j + k), load_f32(gate_up + p * 2 * I + I + j + k), weight ? weight + p : nullptr, limit);
   }
   *reinterpret_cast<u32*>(h + at) = bf16x2(out[0], out[1]);
 }

@@ -107,3 +107,23 @@ def swiglu(gate_up: torch.Tensor, limit: float, weight: torch.Tensor | None = No
             [ptr(gate_up), ptr(weight.contiguous() if weight is not None else None), ptr(h), ctypes.c_int64(pairs), ctypes.c_int(inter), ctypes.c_float(limit)],
         )
     return h
+
+
+def swiglu_fp8(gate_up: torch.Tensor, limit: float, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """act_quant(swiglu(gate_up, limit, weight)) in one pass, the bf16 h never written: float32
+    gate_up [P, 2I] (I % 128 == 0) -> (e4m3 [P, I], float32 scales [P, I/128])."""
+    pairs, two_i = gate_up.shape
+    inter = two_i // 2
+    if gate_up.dtype != torch.float32 or inter % 128 or two_i % 2 or not gate_up.is_contiguous():
+        raise ValueError(f"swiglu_fp8: need contiguous float32 [P, 2I], I % 128 == 0, got {gate_up.dtype} {tuple(gate_up.shape)}")
+    if weight is not None and (weight.dtype != torch.float32 or tuple(weight.shape) != (pairs,)):
+        raise ValueError(f"swiglu_fp8: weight must be float32 [{pairs}]")
+    hq = torch.empty((pairs, inter), dtype=torch.float8_e4m3fn, device=gate_up.device)
+    sh = torch.empty((pairs, inter // 128), dtype=torch.float32, device=gate_up.device)
+    if pairs:
+        weight = weight.contiguous() if weight is not None else None
+        get_kernel("act_quant", "swiglu_act_quant_f32", gate_up.device)(
+            (math.ceil(pairs * (inter // 128) / 8), 1, 1), 256,  # a warp a 128-block of h
+            [ptr(gate_up), ptr(weight), ptr(hq), ptr(sh), ctypes.c_int(pairs), ctypes.c_int(inter), ctypes.c_float(limit)],
+        )
+    return hq, sh

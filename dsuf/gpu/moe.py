@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dense import act_fake_quant, fp4_weight_bf16, fp8_mm, swiglu
+from .dense import act_fake_quant, fp4_weight_bf16, fp8_mm, swiglu, swiglu_fp8
 from .linear import BLOCK, CTA_ROWS, MAX_TOKENS, GemmParams, act_quant, choose_splits, launch_fp8, scale_bytes, sm_count
 from .runtime import TensorMap, device_arch, get_kernel, ptr, tensor_map_2d
 
@@ -205,7 +205,7 @@ class Fp8Expert:
         """A prompt chunk's output bf16 [T, D] from x's act_quant: FP8 block-scaled GEMMs
         (dense.fp8_mm), gate and up in float32 as the reference keeps them."""
         gate_up = fp8_mm(xq, sx, torch.cat((self.w1, self.w3)), torch.cat((self.s1, self.s3)), torch.float32)
-        return fp8_mm(*act_quant(swiglu(gate_up, limit)), self.w2, self.s2)
+        return fp8_mm(*swiglu_fp8(gate_up, limit), self.w2, self.s2)
 
 
 class Moe:
@@ -319,7 +319,7 @@ class Moe:
         tiles = prefill_tiles(ends, pairs)
         gate_up = torch.empty((pairs, 2 * r.inter), dtype=torch.float32, device=xq.device)
         self.prefill_gemm(((r.w1, r.s1), (r.w3, r.s3)), prefill_images(xq, sx, x_row, tiles), tiles, gate_up, self.prefill_claims)
-        hq, sh = act_quant(swiglu(gate_up, self.limit, route_w))
+        hq, sh = swiglu_fp8(gate_up, self.limit, route_w)
         y_sorted = torch.empty((pairs, r.dim), dtype=torch.bfloat16, device=xq.device)
         self.prefill_gemm(((r.w2, r.s2),), prefill_images(hq, sh, None, tiles), tiles, y_sorted, self.prefill_claims)
         return y_sorted

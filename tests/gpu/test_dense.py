@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from gpu_checks import random_activations, random_fp4_weight, random_fp8_weight
 
-from dsuf.gpu.dense import act_fake_quant, fp4_weight_bf16, fp8_weight_bf16, swiglu
-from dsuf.gpu.linear import scale_bytes
+from dsuf.gpu.dense import act_fake_quant, fp4_weight_bf16, fp8_weight_bf16, swiglu, swiglu_fp8
+from dsuf.gpu.linear import act_quant, scale_bytes
 from dsuf.gpu.moe import permute_fp4
 from dsuf.model import quant
 from dsuf.model.layers import f64
@@ -56,3 +56,15 @@ def test_swiglu_is_the_reference_experts(cuda, dtype, routed):
     ref = (weight[:, None] * h if routed else h).to(torch.bfloat16)
     assert torch.equal(swiglu(gate_up, LIMIT, weight), ref)
 
+
+
+@pytest.mark.parametrize("routed", [True, False])
+def test_swiglu_fp8_is_the_swiglu_act_quantised(cuda, routed):
+    """The prompt experts' fused SwiGLU + FP8 quantisation: the same bytes and scales as act_quant
+    of swiglu's bf16 output."""
+    pairs, inter = 333, 1024
+    gate_up = torch.randn(pairs, 2 * inter, device=cuda) * 6 * torch.exp2(torch.randint(-8, 8, (pairs, 1), device=cuda).float())
+    weight = torch.rand(pairs, device=cuda) if routed else None
+    hq, sh = swiglu_fp8(gate_up, LIMIT, weight)
+    ref_q, ref_s = act_quant(swiglu(gate_up, LIMIT, weight))
+    assert torch.equal(hq.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(sh, ref_s)
