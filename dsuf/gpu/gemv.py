@@ -188,9 +188,10 @@ def fp8_grouped_gemv(
     w, ws = w.contiguous(), scale_bytes(scale)
     m = x.shape[0]
     out = _output(out, (m, rows), torch.bfloat16, x.device, "fp8_grouped_gemv")
-    if m >= DENSE_MIN_ROWS:  # a prompt chunk: cuBLAS over the weight's bf16 copy
+    if m >= DENSE_MIN_ROWS:  # a prompt chunk: cuBLAS over the weight's bf16 copy, each group into its columns of out
         wb = fp8_weight_bf16(w, ws).view(groups, n, k)
-        out.view(m, groups, n).copy_(torch.bmm(x.view(m, groups, k).transpose(0, 1), wb.transpose(1, 2)).transpose(0, 1))
+        for g in range(groups):
+            torch.mm(x[:, g * k : (g + 1) * k], wb[g].t(), out=out[:, g * n : (g + 1) * n])
         return out
     rows_cta = rows_per_cta(rows, sm_count(w.device), lambda r: rows_bf16x_shared_bytes(r, k, m), divides=n) if m <= ROWS_TOKENS else None
     if rows_cta is not None and splits is None:
