@@ -144,7 +144,7 @@ def compress_chunk(
     writes the state the chunk leaves. kv, score: float32 [T, C]; ape, norm, freqs, eps, pool,
     slots ([T], row t's entry if it completes a group): as compress_decode."""
     rows, ratio = kv.shape[0], ape.shape[0]
-    if first < 0 or first + rows > 1 << 31 or not 1 <= rows:
+    if first < 0 or rows < 1 or first + rows > 1 << 31:
         raise ValueError(f"compress_chunk: {rows} rows from position {first} are not a chunk")
     if slot.dtype != torch.int64 or tuple(slot.shape) != (1,):
         raise ValueError("compress_chunk: slot must be int64 [1]")
