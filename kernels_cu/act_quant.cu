@@ -2,9 +2,9 @@
 // quant.act_quant_fp8): x bf16 [M, K] -> xq e4m3 [M, K] and sx float32 [M, K/128], with
 // x ~= xq * sx. One warp per 128-element block; each lane owns 4 consecutive elements.
 // act_fake_quant_bf16 writes the quantised values themselves, xq * sx, as bf16 (exact): the
-// input of the prefill path's bf16 GEMMs. swiglu_act_quant_f32 quantises the experts' SwiGLU (dequant.cu's
-// swiglu_f32) of float32 gate_up [P, 2I] as act_quant_bf16 quantises its bf16 output, without
-// writing that output.
+// input of the prefill path's bf16 GEMMs. swiglu_act_quant_f32 quantises the experts' SwiGLU
+// (dequant.cu's swiglu_f32) of float32 gate_up [P, 2I] as act_quant_bf16 quantises its bf16
+// output, without writing that output.
 #include "common.cuh"
 
 struct Block {

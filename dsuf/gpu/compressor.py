@@ -51,11 +51,11 @@ class CompressParams(ctypes.Structure):
     ]
 
 
-def _rows(t: torch.Tensor, batch: int, channels: int, name: str) -> torch.Tensor:
+def _rows(what: str, t: torch.Tensor, batch: int, channels: int, name: str) -> torch.Tensor:
     """t as float32 [batch, channels] rows of contiguous, 16-byte aligned channels (a column slice
     of a wider projection output is taken as it is)."""
     if t.dtype != torch.float32 or tuple(t.shape) != (batch, channels):
-        raise ValueError(f"compress_decode: {name} must be float32 [{batch}, {channels}], got {t.dtype} {tuple(t.shape)}")
+        raise ValueError(f"{what}: {name} must be float32 [{batch}, {channels}], got {t.dtype} {tuple(t.shape)}")
     if t.stride(1) != 1 or t.stride(0) % 4 or t.data_ptr() % 16:
         t = t.clone(memory_format=torch.contiguous_format)
     return t
@@ -109,7 +109,7 @@ def compress_decode(
         raise ValueError(f"compress_decode: latent must be contiguous bf16 [{batch}, {norm.shape[0]}]")
     if runs is not None and (runs.dtype != torch.int32 or runs.dim() != 1 or not 2 <= runs.shape[0] <= batch + 1):
         raise ValueError(f"compress_decode: runs must be int32 [R + 1], 1 <= R <= {batch}")
-    kernel, params, _inputs = _checked("compress_decode", kv, score, batch, held, state_kv, state_score, ape, norm, freqs, eps, pool, slots)
+    name, params, _inputs = _checked("compress_decode", kv, score, batch, held, state_kv, state_score, ape, norm, freqs, eps, pool, slots)
     if not batch:
         return
     params.pos = positions.data_ptr()
@@ -119,7 +119,7 @@ def compress_decode(
     params.latent = latent.data_ptr() if latent is not None else 0
     params.runs = runs.data_ptr() if runs is not None else 0
     # One cluster of width / 64 CTAs per run (the cluster size is compiled into the kernel).
-    kernel((norm.shape[0] // CHANNELS_PER_CTA, runs.shape[0] - 1 if runs is not None else batch, 1), _threads(ape.shape[0]), [params])
+    get_kernel("compressor", name, kv.device)((norm.shape[0] // CHANNELS_PER_CTA, runs.shape[0] - 1 if runs is not None else batch, 1), _threads(ape.shape[0]), [params])
 
 
 def compress_chunk(
@@ -148,10 +148,11 @@ def compress_chunk(
         raise ValueError(f"compress_chunk: {rows} rows from position {first} are not a chunk")
     if slot.dtype != torch.int64 or tuple(slot.shape) != (1,):
         raise ValueError("compress_chunk: slot must be int64 [1]")
-    kernel, params, _inputs = _checked("compress_chunk", kv, score, rows, state_kv.shape[0], state_kv, state_score, ape, norm, freqs, eps, pool, slots)
+    name, params, _inputs = _checked("compress_chunk", kv, score, rows, state_kv.shape[0], state_kv, state_score, ape, norm, freqs, eps, pool, slots)
     slot = slot.contiguous()
     params.state_row, params.chunk_first, params.chunk_rows = slot.data_ptr(), first, rows
     grid_x, threads = norm.shape[0] // CHANNELS_PER_CTA, _threads(ratio)
+    kernel = get_kernel("compressor", f"{name}_chunk", kv.device)
     groups = len(range((ratio - 1 - first) % ratio, rows, ratio))  # the groups the chunk completes
     if groups:
         kernel((grid_x, groups, 1), threads, [params])
@@ -165,16 +166,16 @@ def _threads(ratio: int) -> int:
 
 def _checked(what: str, kv: torch.Tensor, score: torch.Tensor, batch: int, held: int, state_kv: torch.Tensor, state_score: torch.Tensor,
              ape: torch.Tensor, norm: torch.Tensor, freqs: torch.Tensor, eps: float, pool: torch.Tensor, slots: torch.Tensor):
-    """`what`'s kernel (compress_chunk's: NAME_chunk), the launch's parameters common to both
-    functions, each argument checked, and the tensors they point to (contiguous copies among them),
-    to be held until the launch."""
+    """The compressor's kernel name (compress_chunk launches NAME_chunk), the launch's parameters
+    common to both functions, each argument checked (errors name `what`), and the tensors they
+    point to (contiguous copies among them), to be held until the launch."""
     width, ratio = norm.shape[0], ape.shape[0]
     name = KERNELS.get((width, ratio))
     if name is None:
         raise ValueError(f"{what}: no kernel for width {width}, ratio {ratio} (have {sorted(KERNELS)})")
     channels = (2 if ratio == 4 else 1) * width
     n_state = (2 if ratio == 4 else 1) * ratio
-    kv, score = _rows(kv, batch, channels, "kv"), _rows(score, batch, channels, "score")
+    kv, score = _rows(what, kv, batch, channels, "kv"), _rows(what, score, batch, channels, "score")
     for t, name_of in ((state_kv, "state_kv"), (state_score, "state_score")):
         if t.dtype != torch.float32 or tuple(t.shape) != (held, n_state, channels) or not t.is_contiguous():
             raise ValueError(f"{what}: {name_of} must be contiguous float32 [{held}, {n_state}, {channels}]")
@@ -193,4 +194,4 @@ def _checked(what: str, kv: torch.Tensor, score: torch.Tensor, batch: int, held:
         norm=norm.data_ptr(), freqs=freqs.data_ptr(), pool=pool.data_ptr(), kv_slot=slots.data_ptr() if width == 512 else 0,
         key_row=slots.data_ptr() if width != 512 else 0, kv_stride=kv.stride(0), score_stride=score.stride(0), eps=eps,
     )
-    return get_kernel("compressor", name + ("_chunk" if what == "compress_chunk" else ""), kv.device), params, (kv, score, ape, norm, freqs, slots)
+    return name, params, (kv, score, ape, norm, freqs, slots)

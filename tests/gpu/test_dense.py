@@ -57,7 +57,6 @@ def test_swiglu_is_the_reference_experts(cuda, dtype, routed):
     assert torch.equal(swiglu(gate_up, LIMIT, weight), ref)
 
 
-
 @pytest.mark.parametrize("routed", [True, False])
 def test_swiglu_fp8_is_the_swiglu_act_quantised(cuda, routed):
     """The prompt experts' fused SwiGLU + FP8 quantisation: the same bytes and scales as act_quant
