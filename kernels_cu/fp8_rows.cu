@@ -91,7 +91,10 @@ struct RowsParams {
 
 // The activations are staged once for all warps already as mma_e4m3_f16b's B (f16 pairs), only
 // the M real tokens: xf[((kb * 4 + i) * M + m) * 4 + t] = mma i of K block kb, token m, lane t.
-extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_m8(const __grid_constant__ RowsParams p) {
+// QUANT: p.xq holds bf16 [M, K] rows, quantised here as act_quant_bf16 does (per token and
+// 128-block: the same scales and e4m3 bytes), so that no launch before this one quantises them.
+template <bool QUANT>
+DSUF_DEVICE void fp8_rows_body(const RowsParams& p) {
   extern __shared__ __align__(128) u8 smem[];
   __shared__ u64 bars[ROWS_WARPS];
   const int K = p.K, KB = K >> 7, pitch = K + 64;
@@ -108,15 +111,45 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_m8(const 
   const int se = threadIdx.x, skb = se >> 3, sm = se & 7;
   const bool stages_scale = se < 8 * KB;
   const float sw = stages_scale ? e8m0_to_f32(p.ws[(i64)(r0 >> 7) * KB + skb]) : 0.0f;
+  float* sxs = reinterpret_cast<float*>(scale);
   pdl_begin();
-  const float sxv = stages_scale && sm < p.M ? p.sx[(i64)sm * KB + skb] : 0.0f;
+  if (QUANT) {
+    // A half-warp a (token, K block), 8 values a lane: lane j's are the 8 bytes of mma 2 (j / 8) +
+    // j % 2, lane (j / 2) % 4 of the block.
+    const u16* x = reinterpret_cast<const u16*>(p.xq);
+    const int j = threadIdx.x & 15;
+    if (stages_scale && sm >= p.M) sxs[se] = 0.0f;
+    for (int b0 = 2 * (threadIdx.x >> 5); b0 < p.M * KB; b0 += ROWS_THREADS / 16) {  // (whole warps: the shuffles)
+      const int b = b0 + ((threadIdx.x >> 4) & 1), m = b / KB, kb = b - m * KB;
+      const bool has = b < p.M * KB;
+      const uint4 v = has ? ld_nc16(x + (i64)m * K + kb * 128 + 8 * j) : make_uint4(0, 0, 0, 0);
+      const u32 w[4] = {v.x, v.y, v.z, v.w};
+      float f[8], amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        f[i] = bf16_to_f32(i & 1 ? w[i >> 1] >> 16 : w[i >> 1] & 0xffff);
+        amax = fmaxf(amax, fabsf(f[i]));
+      }
+#pragma unroll
+      for (int o = 8; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));  // within the half-warp
+      if (!has) continue;
+      const int e = act_scale_exponent(amax);
+      const int i = 2 * (j >> 3) + (j & 1), t = (j >> 1) & 3;
+      xf[((kb * 4 + i) * p.M + m) * 4 + t] = e4m3_b_to_f16(quant4_e4m3(f[0], f[1], f[2], f[3], e), quant4_e4m3(f[4], f[5], f[6], f[7], e));
+      if (j == 0) sxs[kb * 8 + m] = pow2f(e);
+    }
+    __syncthreads();
+    if (stages_scale) sxs[se] = sw * sxs[se];
+  } else {
+    const float sxv = stages_scale && sm < p.M ? p.sx[(i64)sm * KB + skb] : 0.0f;
 #pragma unroll 4
-  for (int e = threadIdx.x; e < p.M * (K >> 3); e += ROWS_THREADS) {
-    const int t = e & 3, m = (e >> 2) % p.M, ki = (e >> 2) / p.M, kb = ki >> 2, i = ki & 3;
-    const uint2 v = ld_nc8(p.xq + (i64)m * K + kb * 128 + 64 * (i >> 1) + 16 * t + 8 * (i & 1));
-    xf[e] = e4m3_b_to_f16(v.x, v.y);
+    for (int e = threadIdx.x; e < p.M * (K >> 3); e += ROWS_THREADS) {
+      const int t = e & 3, m = (e >> 2) % p.M, ki = (e >> 2) / p.M, kb = ki >> 2, i = ki & 3;
+      const uint2 v = ld_nc8(p.xq + (i64)m * K + kb * 128 + 64 * (i >> 1) + 16 * t + 8 * (i & 1));
+      xf[e] = e4m3_b_to_f16(v.x, v.y);
+    }
+    if (stages_scale) sxs[se] = sw * sxv;
   }
-  if (stages_scale) reinterpret_cast<float*>(scale)[se] = sw * sxv;
 
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const u8* wrow = ws_ + (rw.rg * 16 + g) * pitch + 16 * t;
@@ -142,6 +175,9 @@ extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_m8(const 
   }
   rows_reduce_store(p, r0, red, acc, rw.rg * 16 + g, 2 * t, rw.kp, rw.shares);
 }
+
+extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_m8(const __grid_constant__ RowsParams p) { fp8_rows_body<false>(p); }
+extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 1) fp8_rows_quant_m8(const __grid_constant__ RowsParams p) { fp8_rows_body<true>(p); }
 
 // wo_a's grouped FP8 projection with bf16 activations (gemv.cu's FP8 format, the reference's bf16
 // einsum over the exactly dequantised weight) in the same way: y[m, n] = sum_k x[m, g K + k] W[n, k]

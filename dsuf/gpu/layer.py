@@ -399,7 +399,7 @@ class DecodeLayer:
                 main.wait_stream(side)
             # The site's Sinkhorn too, which only wo_b's mHC expand reads: the kernel after a join
             # starts only once its predecessor ends (no PDL overlap), and here that kernel is
-            # behind a join already; at wo_b it would be act_quant, ahead of wo_b's weights.
+            # behind a join already; at wo_b it would be wo_b, whose weights would then be posted late.
             wait_for(b, f"{L}.comb{READY}")
             if ratio == 4:
                 for t in (b[f"{L}.weights"], *b[f"{L}.qi"]):  # made on the side streams, read here

@@ -168,9 +168,25 @@ class Fp8Linear:
         return self.weight.shape[1]
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """bf16 [M, K] -> bf16 [M, N] (act-quantised input, as the reference)."""
+        """bf16 [M, K] -> bf16 [M, N] (act-quantised input, as the reference). Where fp8_rows
+        takes the shape, it quantises x itself (no act_quant launch before it)."""
+        m = x.shape[0]
+        if 0 < m <= ROWS_TOKENS and self.rows[m] is not None:
+            if x.dtype != torch.bfloat16 or tuple(x.shape) != (m, self.in_features):
+                raise ValueError(f"Fp8Linear: need bf16 [M, {self.in_features}], got {x.dtype} {tuple(x.shape)}")
+            return self._rows("fp8_rows_quant_m8", x.contiguous(), None, out)
         xq, sx = act_quant(x)
         return self.forward_quantized(xq, sx, out)
+
+    def _rows(self, kernel: str, x: torch.Tensor, sx: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+        """One fp8_rows launch (fp8_rows_m8: x e4m3 with scales sx; fp8_rows_quant_m8: x bf16)."""
+        m, (n, k) = x.shape[0], self.weight.shape
+        if out is None:
+            out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+        rows = self.rows[m]
+        p = RowsParams(self.weight.data_ptr(), self.scale.data_ptr(), x.data_ptr(), sx.data_ptr() if sx is not None else 0, out.data_ptr(), n, k, m, rows)
+        get_kernel("fp8_rows", kernel, x.device)((n // rows, 1, 1), ROWS_THREADS, [p], shared=rows_shared_bytes(rows, k, m))
+        return out
 
     def forward_quantized(self, xq: torch.Tensor, sx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """From an act_quant result (shared by several linears of one input): bf16 [M, N]."""
@@ -179,14 +195,10 @@ class Fp8Linear:
         if m >= DENSE_MIN_ROWS:
             y = fp8_mm(xq, sx, self.weight, self.scale)
             return out.copy_(y) if out is not None else y
+        if m <= ROWS_TOKENS and self.rows[m] is not None:
+            return self._rows("fp8_rows_m8", xq, sx, out)
         if out is None:
             out = torch.empty((m, n), dtype=torch.bfloat16, device=xq.device)
-        k = self.in_features
-        rows = self.rows[m] if m <= ROWS_TOKENS else None
-        if rows is not None:
-            p = RowsParams(self.weight.data_ptr(), self.scale.data_ptr(), xq.data_ptr(), sx.data_ptr(), out.data_ptr(), n, k, m, rows)
-            get_kernel("fp8_rows", "fp8_rows_m8", xq.device)((n // rows, 1, 1), ROWS_THREADS, [p], shared=rows_shared_bytes(rows, k, m))
-            return out
         for lo in range(0, m, MAX_TOKENS):
             hi = min(m, lo + MAX_TOKENS)
             launch_fp8(self.weight, self.scale, None, xq[lo:hi], sx[lo:hi], out[lo:hi], None, self.counter)

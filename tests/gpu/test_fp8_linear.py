@@ -110,3 +110,18 @@ def test_fp8_rows_equals_the_reference(cuda, name, m):
     rel, worst = compare(f"fp8_rows {name} [{n}, {k}] x {m} tokens", out, reference(w, s, x))
     assert rel < 2.5e-3 and worst <= 1.0
     assert torch.equal(lin(x), out), "not deterministic"
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("name", ["attn.wo_b", "attn.wo_b / 2", "attn.wq_a"])
+def test_fp8_rows_quantises_bf16_input_as_act_quant(cuda, name, m):
+    """From bf16 input, fp8_rows quantises each token's 128-blocks itself: the same output bits as
+    act_quant's e4m3 values and scales fed to it (activations over several octaves, so that the
+    blocks' scales differ)."""
+    n, k = {**SHAPES, **TP2_SHAPES}[name]
+    w, s = random_fp8_weight(n, k, cuda)
+    x = random_activations(m, k, cuda)
+    lin = Fp8Linear(w, s)
+    fused = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=cuda)  # poison
+    lin(x, out=fused)
+    assert torch.equal(fused, lin.forward_quantized(*act_quant(x)))
