@@ -382,10 +382,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_attn_decode_h32(cons
 // out[row, h] = sum_s w_s O_s / (sum_s w_s l_s + exp(sink[h] - M)), w_s = exp(m_s - M), M = max_s m_s;
 // the row's splits in order; then the inverse RoPE if cos_t is given. grid (heads, rows, parts),
 // 512 / parts / 4 threads: 4 dims a thread. Each warp reads the splits' (m, l) first, into its
-// shared memory, then has every split's outputs in flight at once (a decode step's combine is a
+// shared memory, with up to 32 splits' outputs in flight meanwhile (a decode step's combine is a
 // chain of memory latencies; its few rows' heads are spread over 4 CTAs each).
 #define COMBINE_SPLITS 256  // most splits a row (the launcher checks)
-#define COMBINE_UNROLL 16
+#define COMBINE_UNROLL 32
 extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine(const __grid_constant__ AttnParams p) {
   pdl_begin();
   __shared__ float w_all[4][COMBINE_SPLITS], l_all[4][COMBINE_SPLITS];
@@ -395,11 +395,17 @@ extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine(const __gr
   const int splits = attn_plan(p, used_slots(p, row), HEADS).splits;
   if (splits == 1) return;  // the attention kernel finished the row
   const float* ml = p.part_ml + (i64)row * p.splits * HEADS * 2;
+  const float* po = p.part_o + ((i64)row * p.splits * HEADS + h) * DIM + d;
+  // The first round of outputs is in flight with the (m, l) loads (it does not depend on them).
+  float4 v[COMBINE_UNROLL];
+#pragma unroll
+  for (int u = 0; u < COMBINE_UNROLL; ++u)
+    if (u < splits) v[u] = *reinterpret_cast<const float4*>(po + (i64)u * HEADS * DIM);
   float mx = NEG_INF;
   for (int s = lane; s < splits; s += 32) {
-    const float2 v = *reinterpret_cast<const float2*>(ml + (s * HEADS + h) * 2);
-    w_s[s] = v.x, l_s[s] = v.y;
-    mx = fmaxf(mx, v.x);
+    const float2 m = *reinterpret_cast<const float2*>(ml + (s * HEADS + h) * 2);
+    w_s[s] = m.x, l_s[s] = m.y;
+    mx = fmaxf(mx, m.x);
   }
 #pragma unroll
   for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
@@ -408,12 +414,11 @@ extern "C" __global__ void __launch_bounds__(128) sparse_attn_combine(const __gr
   __syncwarp();
   float l = 0.0f;
   float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  const float* po = p.part_o + ((i64)row * p.splits * HEADS + h) * DIM + d;
   for (int s0 = 0; s0 < splits; s0 += COMBINE_UNROLL) {
-    float4 v[COMBINE_UNROLL];
+    if (s0)
 #pragma unroll
-    for (int u = 0; u < COMBINE_UNROLL; ++u)
-      if (s0 + u < splits) v[u] = *reinterpret_cast<const float4*>(po + (i64)(s0 + u) * HEADS * DIM);
+      for (int u = 0; u < COMBINE_UNROLL; ++u)
+        if (s0 + u < splits) v[u] = *reinterpret_cast<const float4*>(po + (i64)(s0 + u) * HEADS * DIM);
 #pragma unroll
     for (int u = 0; u < COMBINE_UNROLL; ++u) {
       if (s0 + u >= splits) break;
