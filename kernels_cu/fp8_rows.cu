@@ -22,7 +22,8 @@
 
 // A warp's place: row group rg, K share kp of `shares`, its K blocks [kb0, kb1), and the barrier
 // its weights land on: the K shares are copied in `chunks` (a power of two dividing `shares`, K
-// pieces of at least 1 KB: small bulk copies cost the copy engine more than they save).
+// pieces of at least 4 KB: fewer, larger bulk copies stream faster than the warps gain by starting
+// on earlier pieces; a TP=2 rank's step at batch 1, A/B: 4 KB -0.5 %, 512 bytes +1.4 % against 1 KB).
 struct RowsWarp {
   int rg, kp, shares, kb0, kb1, chunks, bar;
 };
@@ -36,7 +37,7 @@ DSUF_DEVICE RowsWarp rows_warp(int R, int K) {
   w.kb0 = w.kp * KB / w.shares;
   w.kb1 = (w.kp + 1) * KB / w.shares;
   w.chunks = 1;
-  while (2 * w.chunks <= w.shares && 2 * w.chunks * 8 <= KB) w.chunks *= 2;
+  while (2 * w.chunks <= w.shares && 2 * w.chunks * 32 <= KB) w.chunks *= 2;
   w.bar = w.rg * w.chunks + w.kp / (w.shares / w.chunks);
   return w;
 }
