@@ -93,11 +93,9 @@ def test_fp8_linear_beyond_one_launch(cuda):
 TP2_SHAPES = {"attn.wq_b / 2": (16384, 1024), "attn.wo_b / 2": (4096, 4096), "shared.w2 / 2": (4096, 1024)}
 
 
-@pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("name", ["attn.wq_a", "attn.wkv", "indexer.wq_b", *TP2_SHAPES])
-def test_fp8_rows_equals_the_reference(cuda, name, m):
-    """The no-split-K kernel (fp8_rows.cu) on the shapes it takes, against the reference; tokens
-    past m must not leak into the sums."""
+def rows_case(cuda, name: str, m: int):
+    """(weight, scales, x, the linear, its poisoned output of fp8_rows' first launch) for a shape
+    that fp8_rows takes."""
     from dsuf.gpu.linear import rows_per_cta, rows_shared_bytes, sm_count
 
     n, k = {**SHAPES, **TP2_SHAPES}[name]
@@ -107,6 +105,16 @@ def test_fp8_rows_equals_the_reference(cuda, name, m):
     lin = Fp8Linear(w, s)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=cuda)  # poison
     lin(x, out=out)
+    return w, s, x, lin, out
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("name", ["attn.wq_a", "attn.wkv", "indexer.wq_b", *TP2_SHAPES])
+def test_fp8_rows_equals_the_reference(cuda, name, m):
+    """The no-split-K kernel (fp8_rows.cu) on the shapes it takes, against the reference; tokens
+    past m must not leak into the sums."""
+    w, s, x, lin, out = rows_case(cuda, name, m)
+    n, k = w.shape
     rel, worst = compare(f"fp8_rows {name} [{n}, {k}] x {m} tokens", out, reference(w, s, x))
     assert rel < 2.5e-3 and worst <= 1.0
     assert torch.equal(lin(x), out), "not deterministic"
@@ -118,13 +126,5 @@ def test_fp8_rows_quantises_bf16_input_as_act_quant(cuda, name, m):
     """From bf16 input, fp8_rows quantises each token's 128-blocks itself: the same output bits as
     act_quant's e4m3 values and scales fed to it (activations over several octaves, so that the
     blocks' scales differ)."""
-    from dsuf.gpu.linear import rows_per_cta, rows_shared_bytes, sm_count
-
-    n, k = {**SHAPES, **TP2_SHAPES}[name]
-    assert rows_per_cta(n, sm_count(cuda), lambda rows: rows_shared_bytes(rows, k, m)) is not None, "fp8_rows should take this shape"
-    w, s = random_fp8_weight(n, k, cuda)
-    x = random_activations(m, k, cuda)
-    lin = Fp8Linear(w, s)
-    fused = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=cuda)  # poison
-    lin(x, out=fused)
+    _, _, x, lin, fused = rows_case(cuda, name, m)
     assert torch.equal(fused, lin.forward_quantized(*act_quant(x)))
