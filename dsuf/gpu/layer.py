@@ -371,8 +371,11 @@ class DecodeLayer:
             b[f"{L}.route"] = self.router(b[f"{L}.y2"], b["ids"])
 
         def moe_expand(b: dict) -> None:
-            wait_for(b, f"{L}.comb2{READY}")
-            b[f"{L}.moe"], b[f"x{L + 1}"] = self._sum_expand(self.moe(b[f"{L}.y2"], *b[f"{L}.route"], xq=b[f"{L}.y2q"]), b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
+            # The site's Sinkhorn (for the expand) is joined with the shared expert, before the
+            # combine: joined here, it would hold the routed gate/up's launch until it ended.
+            sinkhorn = b.pop(f"{L}.comb2{READY}", None)
+            moe = self.moe(b[f"{L}.y2"], *b[f"{L}.route"], xq=b[f"{L}.y2q"], joins=(sinkhorn,) if sinkhorn is not None else ())
+            b[f"{L}.moe"], b[f"x{L + 1}"] = self._sum_expand(moe, b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
 
         def attention_inputs(b: dict) -> None:
             # q on this stream; alongside, each a chain of small latency-bound launches that leaves

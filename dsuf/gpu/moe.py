@@ -236,18 +236,23 @@ class Moe:
             self.counter = torch.zeros(pairs * (rows // CTA_ROWS), dtype=torch.int32, device=self.counter.device)
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None,
-                 xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 xq: tuple[torch.Tensor, torch.Tensor] | None = None, joins: tuple[torch.cuda.Event, ...] = ()) -> torch.Tensor:
         """x bf16 [T, D]; weights float32 [T, k] and idx [T, k] from the router -> bf16 [T, D].
-        xq: x already FP8-quantised (act_quant's (e4m3, scales)), e.g. by the norm that made x."""
+        xq: x already FP8-quantised (act_quant's (e4m3, scales)), e.g. by the norm that made x.
+        joins: events of other streams' work that the current stream joins where it joins the
+        shared expert's, before the combine: a kernel launched after a join starts only once the
+        joined work has ended, and the combine waits for the shared expert anyway."""
         t, k = idx.shape
         if not 1 <= k <= 16 or self.routed.dim % 2048:
             raise ValueError(f"Moe: top-k must be 1..16 and D a multiple of 2048, got k={k}, D={self.routed.dim}")
+        main = torch.cuda.current_stream(x.device)
         grouped = PREFILL_MIN_TOKENS if self._prefill_fp4() else GROUPED_MIN_TOKENS
         if t >= grouped and not torch.cuda.is_current_stream_capturing():  # (it syncs with the host once)
             y_sorted, row_of, y_shared = self._grouped(x, weights, idx, xq)
+            for event in joins:
+                main.wait_event(event)
             return self._combine(y_sorted, y_shared, idx, out, row_of)
         xq, sx = xq if xq is not None else act_quant(x)
-        main = torch.cuda.current_stream(x.device)
         if self.side is None:
             self.side = torch.cuda.Stream(x.device)
         self.side.wait_stream(main)
@@ -264,6 +269,8 @@ class Moe:
         y_routed = self.routed_down(hq, sh, expert, order, distinct=t == 1)
 
         main.wait_stream(self.side)
+        for event in joins:
+            main.wait_event(event)
         y_shared.record_stream(main)
         return self._combine(y_routed, y_shared, idx, out)
 

@@ -249,10 +249,13 @@ def test_cuda_graph_replays_equal_eager_steps(models) -> None:
     assert torch.equal(replayed, eager)
 
 
-def test_the_mhc_sinkhorn_on_its_side_stream_is_awaited_by_the_expand(models, monkeypatch) -> None:
-    """Each mHC site's post and comb come from a side stream while the block runs: a Sinkhorn that
-    finishes 0.5 ms late (a sleep queued before it) changes nothing, bit for bit."""
+@pytest.mark.parametrize("late", ["mhc sinkhorn", "shared expert"])
+def test_work_on_side_streams_is_awaited_where_it_is_used(models, monkeypatch, late) -> None:
+    """Each mHC site's post and comb come from a side stream while the block runs, and so does the
+    shared expert's output while the routed experts run: either finishing 0.5 ms late (a sleep
+    queued before it) changes nothing, bit for bit."""
     from dsuf.gpu.mhc import HcSite
+    from dsuf.gpu.moe import Moe
 
     c, gpu, _, _ = models
     prompt = torch.randint(0, c.vocab_size, (9,))
@@ -263,15 +266,18 @@ def test_the_mhc_sinkhorn_on_its_side_stream_is_awaited_by_the_expand(models, mo
         gpu.free(seq)
         return torch.stack(out)
 
-    gpu.graphs = False  # eager: the patched Sinkhorn runs
+    def delayed(f):
+        return lambda *args, **kwargs: (torch.cuda._sleep(1_000_000), f(*args, **kwargs))[1]
+
+    gpu.graphs = False  # eager: the patched kernel runs
     try:
-        prompt_time = run()
-        on_time = HcSite._from_mixes
-        monkeypatch.setattr(HcSite, "_from_mixes", lambda site, mix, out=None: (torch.cuda._sleep(1_000_000), on_time(site, mix, out))[1])
-        late = run()
+        on_time = run()
+        owner, name = (HcSite, "_from_mixes") if late == "mhc sinkhorn" else (Moe, "shared_forward")
+        monkeypatch.setattr(owner, name, delayed(getattr(owner, name)))
+        late_out = run()
     finally:
         gpu.graphs = True
-    assert torch.equal(prompt_time, late)
+    assert torch.equal(on_time, late_out)
 
 
 def test_tokens_still_on_the_gpu_feed_what_the_same_tokens_from_the_host_feed(models) -> None:
