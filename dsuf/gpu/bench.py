@@ -10,7 +10,10 @@ a compressed group in both kinds of layer), KV caches of random entries in their
 compressor states.
 
 What it measures:
-- the decode step through the layers, captured as one CUDA graph, median of replays;
+- the decode step through the layers, captured as one CUDA graph, median of replays; with
+  `--model`, also the typical step: the mean over the four positions before context - 1, where
+  CSA layers complete one group and HCA layers none (decoding completes a group every 4th and
+  every 128th step);
 - the bytes the step must read: every weight in its checkpoint format (routed experts: the
   distinct experts the step's tokens route to), the KV entries attended and the index keys
   scored; the floor those bytes take at the device-to-device copy bandwidth measured in the same
@@ -386,12 +389,13 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
             if args.trace is not None and not rows_out:  # every rank replays (the collectives need their peers); rank 0 reports
                 spans = graph_spans(graph, Path(args.trace) if args.trace and rank == 0 else None)
                 say(f"\nwhere one replay of the step goes (batch {batch}, context {ctx} of {capacity}, rank 0):\n{report(analyse(spans))}\n", flush=True)
+            typical_us = typical_step_us(model, graph, batch, ctx, args.reps) if k == 1 else None
             fed = batch * k
             nbytes = head_bytes(small, fed, world) + sum(
                 step_bytes(small, i, fed, n_comp[r], min(c.n_routed_experts, fed * c.n_activated_experts), world) for i, r in enumerate(small.compress_ratios))
             floor = nbytes / bw * 1e6
             coll = collective_us(small, tp, fed, args.reps) if tp and not alone else 0.0
-            rows_out.append((batch, ctx, step_us, nbytes, floor, coll))
+            rows_out.append((batch, ctx, step_us, typical_us, nbytes, floor, coll))
             say(f"  batch {batch}, context {ctx}: {step_us:.1f} µs a step = {fed * 1e6 / step_us:.0f} tokens/s "
                 f"({nbytes / 1e6:.0f} MB a GPU, floor {floor:.1f} µs, {step_us / floor:.1f}x; collectives {coll:.0f} µs)", flush=True)
             if drafting:
@@ -424,15 +428,32 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
         say(f"one rank's work: add the step's {2 * n} all-reduces and one logits all-gather, which are not run (collectives µs: 0)")
     elif tp:
         say(f"collectives µs = the step's {2 * n} all-reduces and one logits all-gather ({args.collective}), timed alone in a CUDA graph")
-    say("\n| batch | context | step µs | tokens/s | MB read a GPU | floor µs | × floor | collectives µs |")
-    say("|---|---|---|---|---|---|---|---|")
-    for batch, ctx, us, nbytes, floor, coll in rows_out:
-        say(f"| {batch} | {ctx} | {us:.1f} | {batch * args.tokens_per_seq * 1e6 / us:.0f} | {nbytes / 1e6:.0f} | {floor:.1f} | {us / floor:.1f} | {coll:.0f} |")
+    say("step µs: the step at position context - 1, which completes a compressed group in every compressed layer; "
+        "typical µs: the mean of the four steps before it, where CSA layers complete one group and HCA layers none, "
+        "as decoding does on average (a group every 4th step, every 128th)")
+    say("\n| batch | context | step µs | typical µs | tokens/s | typical tokens/s | MB read a GPU | floor µs | × floor | collectives µs |")
+    say("|---|---|---|---|---|---|---|---|---|---|")
+    for batch, ctx, us, typical, nbytes, floor, coll in rows_out:
+        tokens = batch * args.tokens_per_seq * 1e6
+        typ_us, typ_rate = (f"{typical:.1f}", f"{tokens / typical:.0f}") if typical else ("—", "—")
+        say(f"| {batch} | {ctx} | {us:.1f} | {typ_us} | {tokens / us:.0f} | {typ_rate} | {nbytes / 1e6:.0f} | {floor:.1f} | {us / floor:.1f} | {coll:.0f} |")
     if prefills:
         say("\n| prompt tokens | context | prefill s | tokens/s |\n|---|---|---|---|")
         for n_tokens, ctx, seconds in prefills:
             say(f"| {n_tokens} | {ctx} | {seconds:.2f} | {n_tokens / seconds:.0f} |")
     return 0
+
+
+def typical_step_us(model, graph: torch.cuda.CUDAGraph, batch: int, ctx: int, reps: int) -> float:
+    """The mean µs of the step graph replayed with every sequence at positions ctx - 5 .. ctx - 2
+    (ctx a multiple of 128): a CSA layer completes a compressed group at one of them, an HCA layer
+    at none. Leaves the graph's inputs at ctx - 2."""
+    times = []
+    for pos in range(ctx - 5, ctx - 1):
+        tokens = torch.randint(0, model.config.vocab_size, (batch,))
+        model.step([(slot, pos, int(tokens[slot - 1])) for slot in range(1, batch + 1)])  # the inputs, and one step
+        times.append(replay_us(graph, reps))
+    return statistics.mean(times)
 
 
 def draft_call(model, batch: int, k: int, ctx: int) -> Callable[[], object]:
