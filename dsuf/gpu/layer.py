@@ -368,13 +368,20 @@ class DecodeLayer:
             b[f"{L}.y2"], b[f"{L}.y2q"], b[f"{L}.post2"], b[f"{L}.comb2"] = site.y, site.yq, site.post, site.comb
             if site.ready is not None:
                 b[f"{L}.comb2{READY}"] = site.ready
-            b[f"{L}.route"] = self.router(b[f"{L}.y2"], b["ids"])
+            scores = self.router.scores(b[f"{L}.y2"])
+            # The shared expert needs no routing: queued here it streams its weights beside the
+            # selection (one CTA); queued before the scores it slowed them, queued after the
+            # selection it ended after the routed w2 (BENCHMARKS milestones 20 and 27).
+            if self.moe.decodes(site.y.shape[0]):
+                b[f"{L}.shared"], b[f"{L}.shared{READY}"] = self.moe.shared_alongside(*site.yq)
+            b[f"{L}.route"] = self.router.select(scores, b["ids"])
 
         def moe_expand(b: dict) -> None:
             # The site's Sinkhorn (for the expand) is joined with the shared expert, before the
             # combine: joined here, it would hold the routed gate/up's launch until it ended.
             sinkhorn = b.pop(f"{L}.comb2{READY}", None)
-            moe = self.moe(b[f"{L}.y2"], *b[f"{L}.route"], xq=b[f"{L}.y2q"], joins=(sinkhorn,) if sinkhorn is not None else ())
+            shared = (b[f"{L}.shared"], b.pop(f"{L}.shared{READY}", None)) if f"{L}.shared" in b else None
+            moe = self.moe(b[f"{L}.y2"], *b[f"{L}.route"], xq=b[f"{L}.y2q"], joins=(sinkhorn,) if sinkhorn is not None else (), shared=shared)
             b[f"{L}.moe"], b[f"x{L + 1}"] = self._sum_expand(moe, b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
 
         def attention_inputs(b: dict) -> None:

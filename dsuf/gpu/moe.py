@@ -17,7 +17,8 @@ expert (FP8, 25 MB). The launches:
    already makes them in its own launch);
 2. routed w1/w3 for all pairs, with clamp, silu(gate)*up, routing weight, bf16 rounding and w2's
    act_quant fused into the split-K epilogue; then routed w2 (bf16 [P, D]);
-3. meanwhile, on a side stream, the same two steps for the shared expert (FP8, all tokens);
+3. meanwhile, on a side stream, the same two steps for the shared expert (FP8, all tokens),
+   which the decode layer queues as soon as the router's scores are made (shared_alongside);
 4. the combine: per token, the routed outputs summed in ascending expert order, then the shared.
 """
 
@@ -235,31 +236,49 @@ class Moe:
         if self.counter.numel() < pairs * (rows // CTA_ROWS):
             self.counter = torch.zeros(pairs * (rows // CTA_ROWS), dtype=torch.int32, device=self.counter.device)
 
+    def decodes(self, tokens: int) -> bool:
+        """Whether a call on this many tokens runs the decode kernels (else the prompt chunk's path,
+        which runs the shared expert itself)."""
+        grouped = PREFILL_MIN_TOKENS if self._prefill_fp4() else GROUPED_MIN_TOKENS
+        return tokens < grouped or torch.cuda.is_current_stream_capturing()  # (the chunk's path syncs with the host once)
+
+    def shared_alongside(self, xq: torch.Tensor, sx: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """The shared expert on every token (x FP8-quantised), queued on the side stream after what
+        the current stream has queued: (its output bf16 [T, D], the event of its end), for __call__'s
+        `shared`; it needs no routing, so it may start before the experts are chosen."""
+        main = torch.cuda.current_stream(xq.device)
+        if self.side is None:
+            self.side = torch.cuda.Stream(xq.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            y_shared = self.shared_forward(xq, sx)
+            done = torch.cuda.Event()
+            done.record()
+        for t in (xq, sx):
+            t.record_stream(self.side)
+        y_shared.record_stream(main)
+        return y_shared, done
+
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None,
-                 xq: tuple[torch.Tensor, torch.Tensor] | None = None, joins: tuple[torch.cuda.Event, ...] = ()) -> torch.Tensor:
+                 xq: tuple[torch.Tensor, torch.Tensor] | None = None, joins: tuple[torch.cuda.Event, ...] = (),
+                 shared: tuple[torch.Tensor, torch.cuda.Event | None] | None = None) -> torch.Tensor:
         """x bf16 [T, D]; weights float32 [T, k] and idx [T, k] from the router -> bf16 [T, D].
         xq: x already FP8-quantised (act_quant's (e4m3, scales)), e.g. by the norm that made x.
-        joins: events of other streams' work that the current stream joins where it joins the
-        shared expert's, before the combine: a kernel launched after a join starts only once the
-        joined work has ended, and the combine waits for the shared expert anyway."""
+        shared: the shared expert already queued by shared_alongside where `decodes` (its event
+        None: joined already); else it is queued here, beside the routed experts. joins: events of
+        other streams' work that the current stream joins where it joins the shared expert's, before
+        the combine (a kernel launched after a join starts only once the joined work has ended)."""
         t, k = idx.shape
         if not 1 <= k <= 16 or self.routed.dim % 2048:
             raise ValueError(f"Moe: top-k must be 1..16 and D a multiple of 2048, got k={k}, D={self.routed.dim}")
         main = torch.cuda.current_stream(x.device)
-        grouped = PREFILL_MIN_TOKENS if self._prefill_fp4() else GROUPED_MIN_TOKENS
-        if t >= grouped and not torch.cuda.is_current_stream_capturing():  # (it syncs with the host once)
+        if not self.decodes(t):
             y_sorted, row_of, y_shared = self._grouped(x, weights, idx, xq)
             for event in joins:
                 main.wait_event(event)
             return self._combine(y_sorted, y_shared, idx, out, row_of)
         xq, sx = xq if xq is not None else act_quant(x)
-        if self.side is None:
-            self.side = torch.cuda.Stream(x.device)
-        self.side.wait_stream(main)
-        with torch.cuda.stream(self.side):
-            y_shared = self.shared_forward(xq, sx)
-        xq.record_stream(self.side)
-        sx.record_stream(self.side)
+        y_shared, shared_done = shared if shared is not None else self.shared_alongside(xq, sx)
 
         expert = idx.reshape(-1).to(torch.int32)
         # With several tokens, pairs sorted by expert let one item serve all tokens of an expert.
@@ -268,10 +287,9 @@ class Moe:
         hq, sh = self.routed_gate_up(xq, sx, expert, weights.reshape(-1), k, order, distinct=t == 1)
         y_routed = self.routed_down(hq, sh, expert, order, distinct=t == 1)
 
-        main.wait_stream(self.side)
-        for event in joins:
-            main.wait_event(event)
-        y_shared.record_stream(main)
+        for event in (shared_done, *joins):
+            if event is not None:
+                main.wait_event(event)
         return self._combine(y_routed, y_shared, idx, out)
 
     def _combine(self, y_routed: torch.Tensor, y_shared: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None,

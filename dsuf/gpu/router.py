@@ -62,15 +62,19 @@ class Router:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x bf16 [T, D]; ids int64 [T] (hash layers) -> (weights float32 [T, k], idx int32 [T, k])."""
-        scores = self.scores(x)
+        return self.select(self.scores(x), ids)
+
+    def select(self, scores: torch.Tensor, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts and their weights from the scores (float32 [T, E], as `scores` makes them):
+        (weights, idx) as __call__ returns them."""
         tokens, experts = scores.shape
         if self.tid2eid is not None and (ids is None or ids.dtype != torch.int64 or tuple(ids.shape) != (tokens,)):
             raise ValueError(f"Router: a hash layer needs int64 token ids [{tokens}]")
-        idx = torch.empty((tokens, self.top_k), dtype=torch.int32, device=x.device)
-        weights = torch.empty((tokens, self.top_k), dtype=torch.float32, device=x.device)
+        idx = torch.empty((tokens, self.top_k), dtype=torch.int32, device=scores.device)
+        weights = torch.empty((tokens, self.top_k), dtype=torch.float32, device=scores.device)
         if tokens:
             hashed = self.tid2eid is not None
-            get_kernel("router", "router_select", x.device)(
+            get_kernel("router", "router_select", scores.device)(
                 (tokens, 1, 1),
                 32,
                 [

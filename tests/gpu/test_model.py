@@ -252,8 +252,8 @@ def test_cuda_graph_replays_equal_eager_steps(models) -> None:
 @pytest.mark.parametrize("late", ["mhc sinkhorn", "shared expert"])
 def test_work_on_side_streams_is_awaited_where_it_is_used(models, monkeypatch, late) -> None:
     """Each mHC site's post and comb come from a side stream while the block runs, and so does the
-    shared expert's output while the routed experts run: either finishing 0.5 ms late (a sleep
-    queued before it) changes nothing, bit for bit."""
+    shared expert's output while the router's selection and the routed experts run: either
+    finishing 0.5 ms late (a sleep queued before it) changes nothing, bit for bit."""
     from dsuf.gpu.mhc import HcSite
     from dsuf.gpu.moe import Moe
 
