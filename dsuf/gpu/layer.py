@@ -140,15 +140,34 @@ class StepIndex:
     attn_used: torch.Tensor | None = None  # int32 [B]: the row's slots of attn_idx from this on are -1
 
 
+_IOTAS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def iota(n: int, device: torch.device, start: int = 0) -> torch.Tensor:
+    """start .. start + n - 1, int32 on the device, made once outside graph capture: made in a
+    captured step it would be a kernel of every replay (a step's indices are ~60 small kernels)."""
+    key = (n, start, device)
+    t = _IOTAS.get(key)
+    if t is None:
+        t = torch.arange(start, start + n, dtype=torch.int32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _IOTAS[key] = t
+    return t
+
+
 def step_index(c: ModelConfig, ratio: int, n_max: int, rope: Rope, slots: torch.Tensor, pos: torch.Tensor,
-               chunk: tuple[int, int] | None = None) -> StepIndex:
-    """slots, pos: int64 [B] on the device (pos = the position of the token each row feeds).
-    chunk = (first scratch entry, first position): the rows are a prefill chunk of one sequence at
-    consecutive positions, whose KV goes to the scratch entries (see the module docstring)."""
+               chunk: tuple[int, int] | None = None, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepIndex:
+    """slots, pos: int64 or int32 [B] on the device (pos = the position of the token each row
+    feeds). chunk = (first scratch entry, first position): the rows are a prefill chunk of one
+    sequence at consecutive positions, whose KV goes to the scratch entries (see the module
+    docstring). cos_sin: rope.cos_sin(pos) if the caller has it (layers of one kind share it).
+    Computed in int32 (every entry fits) with as few launches as the rules allow: in a decode step
+    each is a kernel of the step's graph."""
     w, ring = c.window_size, ring_size(c)
+    slots, pos = slots.int(), pos.int()
     base = slots * (ring + n_max)
-    seen = pos[:, None] - (w - 1) + torch.arange(w, device=pos.device)[None, :]  # the window's positions
-    window = torch.where(seen >= 0, base[:, None] + seen % ring, -1)
+    seen = pos[:, None] + iota(w, pos.device, 1 - w)[None, :]  # the window's positions
+    window = (base[:, None] + seen % ring).masked_fill_(seen < 0, -1)  # (where(.., -1) makes its -1 in a launch)
     write = base + pos % ring
     ring_copy = None
     if chunk is not None:
@@ -156,29 +175,29 @@ def step_index(c: ModelConfig, ratio: int, n_max: int, rope: Rope, slots: torch.
         window = torch.where(seen >= first, scratch + seen - first, window)
         write = scratch + pos - first
         tail = pos[-w:]
-        ring_copy = ((scratch + tail - first).int(), (base[-w:] + tail % ring).int())
-    cos, sin = rope.cos_sin(pos)
+        ring_copy = (scratch + tail - first, base[-w:] + tail % ring)
+    cos, sin = cos_sin if cos_sin is not None else rope.cos_sin(pos)
+    chunk_start = chunk[1] if chunk else None
     if not ratio:
-        return StepIndex(pos.int(), cos, sin, write.int(), window.int().contiguous(), ring_copy=ring_copy, chunk_start=chunk[1] if chunk else None)
+        return StepIndex(pos, cos, sin, write, window, ring_copy=ring_copy, chunk_start=chunk_start)
+    group = pos // ratio
     visible = (pos + 1) // ratio  # entries visible once this token is in
     comp_base = base + ring
-    idx = StepIndex(pos.int(), cos, sin, write.int(), window.int(), (comp_base + pos // ratio).int(), comp_base.int(),
-                    ring_copy=ring_copy, chunk_start=chunk[1] if chunk else None)
+    idx = StepIndex(pos, cos, sin, write, window, comp_base + group, comp_base, ring_copy=ring_copy, chunk_start=chunk_start)
     # A chunk's rows see at most the entries its last row sees (known here, unlike in a graph).
     most = n_max if chunk is None else max(1, (chunk[1] + pos.shape[0]) // ratio)
     # The compressed slots a row fills: its visible entries (CSA: the top-k picks among them).
-    idx.attn_used = (w + visible.clamp_max(c.index_topk if ratio == 4 else most)).int()
+    idx.attn_used = w + visible.clamp_max(c.index_topk if ratio == 4 else most)
     if ratio == 4:
-        picks = torch.full((pos.shape[0], c.index_topk), -1, dtype=torch.int64, device=pos.device)  # top-k fills them
-        idx.attn_idx = torch.cat((window, picks), dim=1).int()
-        idx.key_start = (slots * n_max).int()
-        idx.key_row = slots * n_max + pos // 4
-        idx.n_keys = visible.int()
+        picks = torch.full((pos.shape[0], c.index_topk), -1, dtype=torch.int32, device=pos.device)  # top-k fills them
+        idx.attn_idx = torch.cat((window, picks), dim=1)
+        idx.key_start = slots * n_max
+        idx.key_row = (idx.key_start + group).long()
+        idx.n_keys = visible
         idx.max_keys = most
     else:
-        e = torch.arange(most, device=pos.device)
-        comp = torch.where(e[None, :] < visible[:, None], comp_base[:, None] + e[None, :], -1)
-        idx.attn_idx = torch.cat((window, comp), dim=1).int()
+        e = iota(most, pos.device)
+        idx.attn_idx = torch.cat((window, (comp_base[:, None] + e[None, :]).masked_fill_(e[None, :] >= visible[:, None], -1)), dim=1)
     return idx
 
 

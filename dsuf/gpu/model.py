@@ -319,11 +319,17 @@ class GpuModel:
     # ---- the step ---------------------------------------------------------------------------------
 
     def _indices(self, slots: torch.Tensor, pos: torch.Tensor, chunk_start: int | None = None) -> dict[int, StepIndex]:
+        """The step's indices for each kind of layer; the int32 positions and each RoPE's cos/sin
+        made once (compressed layers share theirs: every kernel here is one of the step's graph)."""
         out: dict[int, StepIndex] = {}
+        slots, pos = slots.int(), pos.int()
+        cos_sin: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer, cache in zip(self.layers, self.caches):
             if layer.ratio not in out:
                 chunk = None if chunk_start is None else cache.chunk_at(chunk_start, pos.shape[0])
-                out[layer.ratio] = step_index(self.config, layer.ratio, cache.n_max, layer.rope, slots, pos, chunk)
+                if (layer.ratio != 0) not in cos_sin:  # (layer_rope: one table for every compressed layer)
+                    cos_sin[layer.ratio != 0] = layer.rope.cos_sin(pos)
+                out[layer.ratio] = step_index(self.config, layer.ratio, cache.n_max, layer.rope, slots, pos, chunk, cos_sin=cos_sin[layer.ratio != 0])
         return out
 
     def _layers(self, ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, runs: torch.Tensor | None, chunk_start: int | None = None) -> torch.Tensor:

@@ -146,8 +146,8 @@ class Rope:
         self.freqs = freqs
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = torch.outer(positions.to(torch.float32), self.freqs)
-        return f64(torch.cos, angles), f64(torch.sin, angles)
+        angles = torch.outer(positions.to(torch.float32), self.freqs).to(ACC)  # float32 angles, cos and sin in float64
+        return torch.cos(angles).float(), torch.sin(angles).float()
 
     def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], inverse: bool = False) -> torch.Tensor:
         """Rotate x[..., -dim:]; x is [T, ..., C] and cos/sin are [T, dim/2]."""
