@@ -327,9 +327,10 @@ class GpuModel:
         for layer, cache in zip(self.layers, self.caches):
             if layer.ratio not in out:
                 chunk = None if chunk_start is None else cache.chunk_at(chunk_start, pos.shape[0])
-                if (layer.ratio != 0) not in cos_sin:  # (layer_rope: one table for every compressed layer)
-                    cos_sin[layer.ratio != 0] = layer.rope.cos_sin(pos)
-                out[layer.ratio] = step_index(self.config, layer.ratio, cache.n_max, layer.rope, slots, pos, chunk, cos_sin=cos_sin[layer.ratio != 0])
+                compressed = layer.ratio != 0  # (layer_rope: one table for every compressed layer)
+                if compressed not in cos_sin:
+                    cos_sin[compressed] = layer.rope.cos_sin(pos)
+                out[layer.ratio] = step_index(self.config, layer.ratio, cache.n_max, layer.rope, slots, pos, chunk, cos_sin=cos_sin[compressed])
         return out
 
     def _layers(self, ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, runs: torch.Tensor | None, chunk_start: int | None = None) -> torch.Tensor:
