@@ -36,7 +36,7 @@ from dsuf.model.state import CompressorState, LayerState, SequenceState, StateEr
 
 from .attention import pack_kv, unpack_kv
 from .indexer import pack_index_keys, unpack_index_keys
-from .layer import PREFILL_CHUNK, DecodeLayer, LayerCache, StepIndex, has_mm_out_dtype, ring_size, step_index
+from .layer import PREFILL_CHUNK, DecodeLayer, LayerCache, StepIndex, has_mm_out_dtype, ring_size, step_index, step_indices
 from .linear import Fp8Linear
 from .moe import GROUPED_MIN_TOKENS
 from .norm import rms_norm
@@ -321,6 +321,9 @@ class GpuModel:
     def _indices(self, slots: torch.Tensor, pos: torch.Tensor, chunk_start: int | None = None) -> dict[int, StepIndex]:
         """The step's indices for each kind of layer; the int32 positions and each RoPE's cos/sin
         made once (compressed layers share theirs: every kernel here is one of the step's graph)."""
+        kinds = {layer.ratio: (layer.ratio, cache.n_max, layer.rope) for layer, cache in zip(self.layers, self.caches)}
+        if chunk_start is None and pos.is_cuda and pos.dtype == torch.int64:
+            return step_indices(self.config, list(kinds.values()), slots, pos)  # one launch
         out: dict[int, StepIndex] = {}
         slots, pos = slots.int(), pos.int()
         cos_sin: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
