@@ -45,6 +45,7 @@ from .runtime import get_kernel
 from .tp import TensorParallel
 
 STEP_KINDS = 3  # kernels_cu/step_index.cu: kinds of layer one step_indices launch serves
+ROPE_PAIRS = 32  # and the RoPE's frequencies
 
 
 def layer_kind(ratio: int) -> str:
@@ -230,6 +231,8 @@ def step_indices(c: ModelConfig, kinds: list[tuple[int, int, Rope]], slots: torc
     compressed layers the other (layer_rope)."""
     if not 1 <= len(kinds) <= STEP_KINDS or slots.dtype != torch.int64 or pos.dtype != torch.int64:
         raise ValueError(f"step_indices: 1 to {STEP_KINDS} kinds of layer and int64 slots and positions")
+    if any(rope.dim != 2 * ROPE_PAIRS or rope.freqs.dtype != torch.float32 for _, _, rope in kinds):
+        raise ValueError(f"step_indices: RoPE tables of {ROPE_PAIRS} float32 frequencies")
     rows, device, w = pos.shape[0], pos.device, c.window_size
     p = _StepIndexParams(slots=slots.contiguous().data_ptr(), pos=pos.contiguous().data_ptr(), window=w, ring=ring_size(c), topk=c.index_topk, kinds=len(kinds))
     positions = torch.empty(rows, dtype=torch.int32, device=device)
