@@ -22,6 +22,8 @@ ring for positions before the chunk), and copies its last W positions into the r
 
 from __future__ import annotations
 
+import ctypes
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,7 +41,11 @@ from .mhc import HcSite, hc_expand
 from .moe import Fp4Experts, Fp8Expert, Moe
 from .norm import rms_norm, rms_norm_fp8
 from .router import Router
+from .runtime import get_kernel
 from .tp import TensorParallel
+
+STEP_KINDS = 3  # kernels_cu/step_index.cu: kinds of layer one step_indices launch serves
+ROPE_PAIRS = 32  # and the RoPE's frequencies
 
 
 def layer_kind(ratio: int) -> str:
@@ -199,6 +205,64 @@ def step_index(c: ModelConfig, ratio: int, n_max: int, rope: Rope, slots: torch.
         e = iota(most, pos.device)
         idx.attn_idx = torch.cat((window, (comp_base[:, None] + e[None, :]).masked_fill_(e[None, :] >= visible[:, None], -1)), dim=1)
     return idx
+
+
+class _StepKind(ctypes.Structure):
+    """Mirror of `struct StepKind` in kernels_cu/step_index.cu."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("attn_idx", "window_slot", "comp_slot", "comp_base", "attn_used", "key_start", "n_keys", "key_row")] + [
+        (name, ctypes.c_int) for name in ("ratio", "n_max", "cols", "rope")
+    ]
+
+
+class _StepIndexParams(ctypes.Structure):
+    """Mirror of `struct StepIndexParams` in kernels_cu/step_index.cu."""
+
+    _fields_ = [("slots", ctypes.c_void_p), ("pos", ctypes.c_void_p), ("positions", ctypes.c_void_p), ("freqs", ctypes.c_void_p * 2),
+                ("cos", ctypes.c_void_p * 2), ("sin", ctypes.c_void_p * 2), ("kind", _StepKind * STEP_KINDS)] + [
+        (name, ctypes.c_int) for name in ("window", "ring", "topk", "kinds")
+    ]
+
+
+def step_indices(c: ModelConfig, kinds: list[tuple[int, int, Rope]], slots: torch.Tensor, pos: torch.Tensor) -> dict[int, StepIndex]:
+    """step_index of a decode step for each kind of layer (ratio, n_max, its RoPE), in one launch
+    (kernels_cu/step_index.cu): the same tensors, bit for bit, where the torch ops are ~60 kernels
+    of the step's graph. slots, pos: int64 [B] on the GPU; layers of ratio 0 share one RoPE table,
+    compressed layers the other (layer_rope)."""
+    if not 1 <= len(kinds) <= STEP_KINDS or slots.dtype != torch.int64 or pos.dtype != torch.int64:
+        raise ValueError(f"step_indices: 1 to {STEP_KINDS} kinds of layer and int64 slots and positions")
+    if any(rope.dim != 2 * ROPE_PAIRS or rope.freqs.dtype != torch.float32 for _, _, rope in kinds):
+        raise ValueError(f"step_indices: RoPE tables of {ROPE_PAIRS} float32 frequencies")
+    rows, device, w = pos.shape[0], pos.device, c.window_size
+    p = _StepIndexParams(slots=slots.contiguous().data_ptr(), pos=pos.contiguous().data_ptr(), window=w, ring=ring_size(c), topk=c.index_topk, kinds=len(kinds))
+    positions = torch.empty(rows, dtype=torch.int32, device=device)
+    p.positions = positions.data_ptr()
+    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for ratio, _, rope in kinds:
+        r = int(ratio != 0)
+        if r not in tables:
+            tables[r] = (torch.empty((rows, rope.dim // 2), dtype=torch.float32, device=device), torch.empty((rows, rope.dim // 2), dtype=torch.float32, device=device))
+            p.freqs[r], p.cos[r], p.sin[r] = rope.freqs.data_ptr(), tables[r][0].data_ptr(), tables[r][1].data_ptr()
+
+    def ints(n: int = rows) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.int32, device=device)
+
+    out = {}
+    for k, (ratio, n_max, _) in enumerate(kinds):
+        cols = w + (c.index_topk if ratio == 4 else n_max if ratio else 0)
+        ix = StepIndex(positions, *tables[int(ratio != 0)], ints(), torch.empty((rows, cols), dtype=torch.int32, device=device))
+        kind = p.kind[k]
+        kind.attn_idx, kind.window_slot, kind.ratio, kind.n_max, kind.cols = ix.attn_idx.data_ptr(), ix.window_slot.data_ptr(), ratio, n_max, cols
+        if ratio:
+            ix.comp_slot, ix.comp_base, ix.attn_used = ints(), ints(), ints()
+            kind.comp_slot, kind.comp_base, kind.attn_used = ix.comp_slot.data_ptr(), ix.comp_base.data_ptr(), ix.attn_used.data_ptr()
+        if ratio == 4:
+            ix.key_start, ix.n_keys, ix.key_row, ix.max_keys = ints(), ints(), torch.empty(rows, dtype=torch.int64, device=device), n_max
+            kind.key_start, kind.n_keys, kind.key_row = ix.key_start.data_ptr(), ix.n_keys.data_ptr(), ix.key_row.data_ptr()
+        out[ratio] = ix
+    widest = max(ix.attn_idx.shape[1] for ix in out.values())
+    get_kernel("step_index", "step_indices", device)((math.ceil(widest / 256), rows, len(kinds)), 256, [p])
+    return out
 
 
 @dataclass

@@ -36,10 +36,10 @@ from dsuf.model.state import CompressorState, LayerState, SequenceState, StateEr
 
 from .attention import pack_kv, unpack_kv
 from .indexer import pack_index_keys, unpack_index_keys
-from .layer import PREFILL_CHUNK, DecodeLayer, LayerCache, StepIndex, has_mm_out_dtype, ring_size, step_index
+from .layer import PREFILL_CHUNK, DecodeLayer, LayerCache, StepIndex, has_mm_out_dtype, ring_size, step_index, step_indices
 from .linear import Fp8Linear
 from .moe import GROUPED_MIN_TOKENS
-from .norm import rms_norm
+from .norm import hc_block_input, rms_norm
 from .tp import TensorParallel, check_tp
 
 # Where the model's tensors come from: source(None) -> the embedding, the head and their norms,
@@ -321,6 +321,9 @@ class GpuModel:
     def _indices(self, slots: torch.Tensor, pos: torch.Tensor, chunk_start: int | None = None) -> dict[int, StepIndex]:
         """The step's indices for each kind of layer; the int32 positions and each RoPE's cos/sin
         made once (compressed layers share theirs: every kernel here is one of the step's graph)."""
+        kinds = {layer.ratio: (layer.ratio, cache.n_max, layer.rope) for layer, cache in zip(self.layers, self.caches)}
+        if chunk_start is None and pos.is_cuda and pos.dtype == torch.int64:
+            return step_indices(self.config, list(kinds.values()), slots, pos)  # one launch
         out: dict[int, StepIndex] = {}
         slots, pos = slots.int(), pos.int()
         cos_sin: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -373,10 +376,7 @@ class GpuModel:
         projection; with `head`, the MTP layer's own collapse and norm before the shared projection."""
         c = self.config
         fn, base, scale, norm = (head.hc_fn, head.hc_base, head.hc_scale, head.norm) if head else (self.hc_fn, self.hc_base, self.hc_scale, self.norm)
-        flat = x.flatten(1).float()
-        mix = (flat @ fn.t()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + c.norm_eps)
-        pre = torch.sigmoid(mix * scale[0] + base) + c.hc_eps
-        h = rms_norm((pre.unsqueeze(-1) * x.float()).sum(1).to(torch.bfloat16), norm, c.norm_eps)
+        h, _ = hc_block_input(x.contiguous(), fn, scale, base, c.hc_eps, c.norm_eps, norm, c.norm_eps)  # one launch, float64 sums as v4.HyperHead
         if self.head.dtype == torch.float32:
             logits = h.float() @ self.head.t()
         else:

@@ -142,15 +142,21 @@ def hc_block_input(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
                    weight: torch.Tensor, eps: float, fp8_out: Fp8Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """An mHC site's mixes and block input in one launch (decode sizes: T <= HC_FUSED_TOKENS):
     (hc_pre_collapse_rms_norm's output, the mixes float32 [T, 24] of the site fn float32 [24, 4·D]
-    with the mixes' own eps), as the site's mixes kernel followed by hc_pre_collapse_rms_norm."""
+    with the mixes' own eps), as the site's mixes kernel followed by hc_pre_collapse_rms_norm.
+    With fn [4, 4·D], the head's HyperHead (pre only: v4.HyperHead, then the final norm), for any
+    number of tokens; the mixes' first 4 columns are made."""
     t, n, d = x.shape
-    if x.dtype != torch.bfloat16 or n != HC_STREAMS or not x.is_contiguous() or tuple(fn.shape) != (24, n * d) or not 1 <= t <= HC_FUSED_TOKENS:
-        raise ValueError(f"hc_block_input: need contiguous bf16 [T <= {HC_FUSED_TOKENS}, 4, D] and fn [24, 4 D], got {x.dtype} {tuple(x.shape)}, {tuple(fn.shape)}")
+    rows = fn.shape[0]
+    head = rows == HC_STREAMS
+    if x.dtype != torch.bfloat16 or n != HC_STREAMS or not x.is_contiguous() or tuple(fn.shape) != (rows, n * d) or rows not in (HC_STREAMS, 24) \
+            or not 1 <= t <= (t if head else HC_FUSED_TOKENS):
+        raise ValueError(f"hc_block_input: need contiguous bf16 [T, 4, D] and fn [24, 4 D] (T <= {HC_FUSED_TOKENS}) or [4, 4 D], "
+                         f"got {x.dtype} {tuple(x.shape)}, {tuple(fn.shape)}")
     _check_dim(d)
     out = torch.empty((t, d), dtype=torch.bfloat16, device=x.device)
     mix = torch.empty((t, 24), dtype=torch.float32, device=x.device)
     get_kernel("rmsnorm", "hc_block_input_bf16", x.device)(
-        (t, 24, 1),
+        (t, rows, 1),
         256,
         [ptr(x), ptr(fn), ptr(mix), ptr(scale), ptr(base), ctypes.c_float(hc_eps), ptr(_weight(weight, d)), ptr(out), *_fp8_ptrs(fp8_out, t, d),
          ctypes.c_int(d), ctypes.c_float(eps), ctypes.c_double(mix_eps)],

@@ -11,7 +11,8 @@ from gpu_checks import compare
 from dsuf.gpu.linear import act_quant
 from dsuf.gpu import mhc as gpu_mhc
 from dsuf.gpu.mhc import HcSite, hc_expand
-from dsuf.model.layers import HyperConnection, hc_collapse, rms_norm
+from dsuf.gpu.norm import hc_block_input
+from dsuf.model.layers import HyperConnection, f64, hc_collapse, rms_norm
 from dsuf.model.layers import hc_expand as ref_hc_expand
 
 N, D, EPS, HC_EPS, ITERS = 4, 4096, 1e-6, 1e-6, 20
@@ -82,6 +83,21 @@ def test_block_input_in_one_launch_is_the_mixes_then_the_collapse(cuda, tokens, 
     _, worst = compare(f"block input in one launch [{tokens}, {N}, {D}]", one.y, two.y)
     assert worst <= 1.0 and (one.y == two.y).float().mean() > 0.999
     assert_coefficients_close((one.post, one.comb), (two.post, two.comb), f"one launch against two, x {tokens}", names=("post", "comb"))
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 40])
+def test_the_heads_collapse_and_norm_in_one_launch_are_the_reference_hyperheads(cuda, tokens):
+    """The head's input: v4.HyperHead (a site's mixes and pre with four mix rows, no Sinkhorn, the
+    collapse) then the final RMSNorm, by norm.hc_block_input over the head's fn [4, 4 D]: float64
+    sums in another order, so bit for bit nearly everywhere (40 tokens: more than a site takes)."""
+    fn, base, scale = torch.randn(N, N * D, device=cuda) / 128, torch.randn(N, device=cuda), torch.rand(1, device=cuda) + 0.5
+    x = streams(tokens, cuda)
+    w = 1 + 0.2 * torch.randn(D, device=cuda)
+    pre = f64(torch.sigmoid, HyperConnection(fn, base, scale).mixes(x, EPS) * scale + base) + HC_EPS
+    ref = rms_norm(hc_collapse(x, pre), w, EPS)
+    got, _ = hc_block_input(x, fn, scale, base, HC_EPS, EPS, w, EPS)
+    _, worst = compare(f"head input [{tokens}, {N}, {D}]", got, ref)
+    assert worst <= 1.0 and (got == ref).float().mean() > 0.999
 
 
 @pytest.mark.parametrize("tokens", [1, 8])
