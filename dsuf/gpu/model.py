@@ -318,16 +318,19 @@ class GpuModel:
 
     # ---- the step ---------------------------------------------------------------------------------
 
-    def _indices(self, slots: torch.Tensor, pos: torch.Tensor, chunk_start: int | None = None) -> dict[int, StepIndex]:
-        """The step's indices for each kind of layer; the int32 positions and each RoPE's cos/sin
-        made once (compressed layers share theirs: every kernel here is one of the step's graph)."""
-        kinds = {layer.ratio: (layer.ratio, cache.n_max, layer.rope) for layer, cache in zip(self.layers, self.caches)}
+    def _indices(self, slots: torch.Tensor, pos: torch.Tensor, chunk_start: int | None = None,
+                 layers: list[tuple[DecodeLayer, LayerCache]] | None = None) -> dict[int, StepIndex]:
+        """The step's indices for each kind of layer (of `layers`, by default the model's); at
+        decode in one launch, else the int32 positions and each RoPE's cos/sin made once
+        (compressed layers share theirs: every kernel here is one of the step's graph)."""
+        layers = layers or list(zip(self.layers, self.caches))
+        kinds = {layer.ratio: (layer.ratio, cache.n_max, layer.rope) for layer, cache in layers}
         if chunk_start is None and pos.is_cuda and pos.dtype == torch.int64:
             return step_indices(self.config, list(kinds.values()), slots, pos)  # one launch
         out: dict[int, StepIndex] = {}
         slots, pos = slots.int(), pos.int()
         cos_sin: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer, cache in zip(self.layers, self.caches):
+        for layer, cache in layers:
             if layer.ratio not in out:
                 chunk = None if chunk_start is None else cache.chunk_at(chunk_start, pos.shape[0])
                 compressed = layer.ratio != 0  # (layer_rope: one table for every compressed layer)
@@ -392,7 +395,7 @@ class GpuModel:
             raise ValueError(f"{self.config.name} has no MTP layer")
         x = self.mtp.inputs(self.embed[next_ids], streams)
         m = self.mtp
-        index = step_index(self.config, 0, 0, m.layer.rope, slots, pos)
+        index = self._indices(slots, pos, layers=[(m.layer, m.cache)])[m.layer.ratio]
         buf = {f"x{m.layer.layer}": x, "ids": next_ids, "slots": slots, "pos": pos}
         for stage in m.layer.stages(m.cache, index):
             stage.run(buf)
