@@ -83,28 +83,54 @@ class IpcCollective:
     `group` at the same time (it exchanges handles and waits for all)."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device, slot_bytes: int, bulk: NcclCollective | None = None) -> None:
-        driver = _driver()
-        self.bulk = bulk
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        if self.world > MAX_RANKS:
-            raise ValueError(f"IpcCollective: at most {MAX_RANKS} ranks, got {self.world}")
-        self.device, self.slot_bytes = device, -(-slot_bytes // 16) * 16
-        torch.zeros(1, device=device)  # the primary context, current on this thread
-        # Held for the process's life: the driver frees them, and unmaps the peers', at exit.
-        own = [self._alloc(2 * self.world * self.slot_bytes), self._alloc(FLAG_BYTES)]
-        (err,) = driver.cuMemsetD32(own[1], 0, FLAG_BYTES // 4)
-        _check(err, "cuMemsetD32")
-        self.epoch = torch.zeros(CTAS, dtype=torch.int32, device=device)
+        self._setup(dist.get_rank(group), dist.get_world_size(group), device, slot_bytes, bulk)
+        own = self._buffers()
         everyone: list[list[bytes] | None] = [None] * self.world
         dist.all_gather_object(everyone, [self._handle(p) for p in own], group=group)
-        peers = _Peers()
-        for r, theirs in enumerate(everyone):
-            ptrs = own if r == self.rank else [self._open(h) for h in theirs]
-            peers.staging[r], peers.flags[r] = int(ptrs[0]), int(ptrs[1])
-        peers.epoch, peers.slot_bytes, peers.rank, peers.world = self.epoch.data_ptr(), self.slot_bytes, self.rank, self.world
-        self._peers = peers
+        self._wire([own if r == self.rank else [self._open(h) for h in theirs] for r, theirs in enumerate(everyone)])
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # nobody launches before every rank has mapped every buffer
+
+    @classmethod
+    def sharing_one_device(cls, world: int, device: torch.device, slot_bytes: int) -> list[IpcCollective]:
+        """`world` ranks' collectives for ranks that share one GPU in this process (tests of the
+        tensor-parallel path on a machine of one GPU): each rank's inbox and flags addressed by the
+        others directly. Run each rank's work on a stream of its own, so that one rank's kernel
+        waiting for its peers never holds back theirs; messages of any size take the IPC kernels."""
+        ranks = [cls.__new__(cls) for _ in range(world)]
+        for r, c in enumerate(ranks):
+            c._setup(r, world, device, slot_bytes, None)
+        buffers = [c._buffers() for c in ranks]
+        for c in ranks:
+            c._wire(buffers)
+        torch.cuda.synchronize(device)
+        return ranks
+
+    def _setup(self, rank: int, world: int, device: torch.device, slot_bytes: int, bulk: NcclCollective | None) -> None:
+        if world > MAX_RANKS:
+            raise ValueError(f"IpcCollective: at most {MAX_RANKS} ranks, got {world}")
+        if device.index is None:  # ("cuda": the current one, as tensors made there name it)
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.rank, self.world, self.device, self.bulk = rank, world, device, bulk
+        self.slot_bytes = -(-slot_bytes // 16) * 16
+        torch.zeros(1, device=device)  # the primary context, current on this thread
+        self.epoch = torch.zeros(CTAS, dtype=torch.int32, device=device)
+
+    def _buffers(self) -> list:
+        """This rank's inbox and (zeroed) flags. Held for the process's life: the driver frees
+        them, and unmaps the peers', at exit."""
+        own = [self._alloc(2 * self.world * self.slot_bytes), self._alloc(FLAG_BYTES)]
+        (err,) = _driver().cuMemsetD32(own[1], 0, FLAG_BYTES // 4)
+        _check(err, "cuMemsetD32")
+        return own
+
+    def _wire(self, buffers: list[list]) -> None:
+        """Every rank's (inbox, flags) as this rank addresses them."""
+        peers = _Peers()
+        for r, (staging, flags) in enumerate(buffers):
+            peers.staging[r], peers.flags[r] = int(staging), int(flags)
+        peers.epoch, peers.slot_bytes, peers.rank, peers.world = self.epoch.data_ptr(), self.slot_bytes, self.rank, self.world
+        self._peers = peers
 
     @staticmethod
     def _alloc(nbytes: int):

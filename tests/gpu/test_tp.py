@@ -4,7 +4,10 @@ with the mHC update, the same bits as unfused), and a
 model split over two ranks computes what the same model computes on one GPU, with the replicated
 state (KV caches, compressor states) identical on both ranks, and workers that look ahead draw
 the same tokens on both. Each rank runs in its own process, as in the server; they write what they
-computed for this process to check."""
+computed for this process to check. On a machine of one GPU the collectives are checked with two
+ranks sharing it (IpcCollective.sharing_one_device, a stream a rank). (Not a model: torch's
+streams come from one pool a process, so two ranks' models in one process would share CUDA streams,
+and a rank's kernel waiting for its peer could hold back the peer's own.)"""
 
 from __future__ import annotations
 
@@ -111,6 +114,53 @@ def test_ipc_collectives_give_every_rank_the_rank_ordered_sum_eager_and_in_graph
             _, _, got_a, got_b, got_g = r["replays"][step]
             assert torch.equal(got_a, a) and torch.equal(got_b, _sum([a] * WORLD)) and torch.equal(got_g, torch.cat(ys, dim=1))
     print(f"  batch-1 all-reduce (4096 bf16) in a CUDA graph: IPC {ranks[0]['µs']['ipc']:.1f} µs, NCCL {ranks[0]['µs']['nccl']:.1f} µs")
+
+
+def test_ipc_collectives_of_two_ranks_sharing_one_gpu(cuda) -> None:
+    """The same kernels with both ranks on one GPU, a stream each: the rank-ordered sums and the
+    gather, eager and in CUDA graphs replayed with new inputs."""
+    from dsuf.gpu.collective import IpcCollective
+    from dsuf.gpu.mhc import hc_expand
+
+    ranks = IpcCollective.sharing_one_device(WORLD, cuda, 4 << 20)
+    streams = [torch.cuda.Stream(cuda) for _ in ranks]
+    main = torch.cuda.current_stream(cuda)
+
+    def on_each(call) -> list:
+        """call(rank, its collective) on the rank's stream, every rank's launched before any ends."""
+        outs = []
+        for r, (coll, stream) in enumerate(zip(ranks, streams)):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                outs.append(call(r, coll))
+        for stream in streams:
+            main.wait_stream(stream)
+        return outs
+
+    for rows in (1, 8, 64, 512):
+        xs = [(torch.randn(rows, 4096, device=cuda) * 4).bfloat16() for _ in ranks]
+        for got in on_each(lambda r, coll: coll.all_reduce(xs[r])):
+            assert torch.equal(got, _sum(xs))
+    streams_x = torch.randn(5, 4, 4096, device=cuda).bfloat16()
+    post, comb = torch.rand(5, 4, device=cuda) * 2, torch.rand(5, 4, 4, device=cuda)
+    parts = [(torch.randn(5, 4096, device=cuda) * 4).bfloat16() for _ in ranks]
+    for total, fused in on_each(lambda r, coll: coll.all_reduce_expand(parts[r], streams_x, post, comb)):
+        assert torch.equal(total, _sum(parts)) and torch.equal(fused, hc_expand(_sum(parts), streams_x, post, comb))
+    cols = [torch.randn(3, 64640, device=cuda) for _ in ranks]
+    assert all(torch.equal(got, torch.cat(cols, dim=1)) for got in on_each(lambda r, coll: coll.all_gather(cols[r])))
+
+    xs = [torch.empty(8, 4096, dtype=torch.bfloat16, device=cuda) for _ in ranks]
+    graphs, outs = [torch.cuda.CUDAGraph() for _ in ranks], []
+    for r, coll in enumerate(ranks):
+        with torch.cuda.graph(graphs[r], stream=streams[r]):
+            a = coll.all_reduce(xs[r])
+            outs.append((a, coll.all_reduce(a)))
+    for _ in range(5):
+        for x in xs:
+            x.copy_(torch.randn(8, 4096, device=cuda) * 4)
+        on_each(lambda r, coll: graphs[r].replay())
+        for a, b in outs:
+            assert torch.equal(a, _sum(xs)) and torch.equal(b, _sum([_sum(xs)] * WORLD))
 
 
 SEED, PROMPT, DECODE = 7, 600, 6  # a prompt for the prefill path (dense GEMMs, NCCL for its all-reduces)
