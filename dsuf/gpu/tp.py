@@ -112,10 +112,13 @@ class TensorParallel:
             dist.barrier()
 
 
-def start(rank: int, world: int, init_method: str, device: torch.device, kind: str = "ipc", slot_bytes: int = 16 << 20) -> TensorParallel:
+def start(rank: int, world: int, init_method: str, device: torch.device, kind: str = "ipc", slot_bytes: int = 16 << 20,
+          bulk: bool = True) -> TensorParallel:
     """Join the ranks' process group (gloo, for setting up) and build the collective: "ipc"
-    (kernels_cu/collective.cu, with staging slots of slot_bytes, and NCCL for prompt chunks'
-    large messages) or "nccl". NCCL's communicator is set up here, not on a first request."""
+    (kernels_cu/collective.cu, with staging slots of slot_bytes, and with `bulk` NCCL for prompt
+    chunks' large messages) or "nccl". NCCL's communicator is set up here, not on a first request.
+    Without `bulk` (ranks sharing one GPU, which NCCL refuses: tests) the IPC kernels take every
+    message, so slot_bytes must hold a prompt chunk's."""
     for key, off in MULTICAST_OFF.items():  # NVLink multicast stays off on these machines
         os.environ.setdefault(key, off)
     # No NCCL heartbeat thread: it only reports (noisily) that rank 0's store went away when the
@@ -124,8 +127,10 @@ def start(rank: int, world: int, init_method: str, device: torch.device, kind: s
     torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    if kind not in ("ipc", "nccl"):
-        raise ValueError(f"unknown collective {kind!r} (ipc or nccl)")
-    nccl = NcclCollective(dist.new_group(backend="nccl"))
-    nccl.all_reduce(torch.zeros(8, dtype=torch.bfloat16, device=device))
+    if kind not in ("ipc", "nccl") or (kind == "nccl" and not bulk):
+        raise ValueError(f"unknown collective {kind!r} (ipc, or nccl with bulk)")
+    nccl = None
+    if bulk:
+        nccl = NcclCollective(dist.new_group(backend="nccl"))
+        nccl.all_reduce(torch.zeros(8, dtype=torch.bfloat16, device=device))
     return TensorParallel(rank, world, IpcCollective(None, device, slot_bytes, bulk=nccl) if kind == "ipc" else nccl)

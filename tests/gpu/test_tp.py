@@ -4,10 +4,12 @@ with the mHC update, the same bits as unfused), and a
 model split over two ranks computes what the same model computes on one GPU, with the replicated
 state (KV caches, compressor states) identical on both ranks, and workers that look ahead draw
 the same tokens on both. Each rank runs in its own process, as in the server; they write what they
-computed for this process to check. On a machine of one GPU the collectives are checked with two
-ranks sharing it (IpcCollective.sharing_one_device, a stream a rank). (Not a model: torch's
-streams come from one pool a process, so two ranks' models in one process would share CUDA streams,
-and a rank's kernel waiting for its peer could hold back the peer's own.)"""
+computed for this process to check. On a machine of one GPU the same checks run with the two
+ranks sharing it: the collectives with both ranks in this process (IpcCollective.sharing_one_device,
+a stream a rank), the split model with a process a rank, both on GPU 0 (their kernels take turns on
+it, a collective waiting out its peer's time slice; no NCCL, which refuses two ranks on one GPU).
+(Not a model in one process: torch's streams come from one pool a process, so two ranks' models
+would share CUDA streams, and a rank's kernel waiting for its peer could hold back the peer's own.)"""
 
 from __future__ import annotations
 
@@ -23,9 +25,9 @@ from test_model import gpu_logits, rel, small_config
 WORLD = 2
 
 
-def _spawn(fn, tmp_path: Path, *args) -> list[dict]:
-    if not torch.cuda.is_available() or torch.cuda.device_count() < WORLD:
-        pytest.skip(f"needs {WORLD} GPUs")
+def _spawn(fn, tmp_path: Path, *args, gpus: int = WORLD) -> list[dict]:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPU{'s' if gpus > 1 else ''}")
     init = f"file://{tmp_path}/rendezvous"
     torch.multiprocessing.start_processes(fn, args=(init, tmp_path, *args), nprocs=WORLD, start_method="spawn")
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
@@ -166,14 +168,15 @@ def test_ipc_collectives_of_two_ranks_sharing_one_gpu(cuda) -> None:
 SEED, PROMPT, DECODE = 7, 600, 6  # a prompt for the prefill path (dense GEMMs, NCCL for its all-reduces)
 
 
-def _model_rank(rank: int, init: str, out: Path, tokens: torch.Tensor) -> None:
+def _model_rank(rank: int, init: str, out: Path, tokens: torch.Tensor, shared_gpu: bool = False) -> None:
     from dsuf.gpu.model import GpuModel, step_rows
     from dsuf.gpu.tp import slot_bytes, start
     from dsuf.gpu.weights import random_source
 
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", 0 if shared_gpu else rank)
     c = small_config()
-    tp = start(rank, WORLD, init, device, "ipc", slot_bytes=slot_bytes(c, WORLD, step_rows(4)))
+    slot = max(slot_bytes(c, WORLD, step_rows(4)), 2 * PROMPT * c.dim)  # (sharing a GPU, the prompt's all-reduces are the IPC kernels')
+    tp = start(rank, WORLD, init, device, "ipc", slot_bytes=slot, bulk=not shared_gpu)
     model = GpuModel(c, random_source(c, device, SEED, rank, WORLD), device, max_batch=4, max_context=4096, tp=tp)
     seq = model.new_state()
     logits = [g.cpu() for g in gpu_logits(model, tokens, PROMPT, seq)]
@@ -205,12 +208,23 @@ def test_a_model_split_over_two_gpus_computes_what_one_gpu_computes(tmp_path) ->
     logits and state follow the one-GPU model's as closely as the one-GPU model follows itself when
     1% of its embedding values move one bf16 ulp (a split changes summation orders, and this
     random-weight model is chaotic: see test_model)."""
+    c = small_config()
+    tokens = torch.randint(0, c.vocab_size, (PROMPT + DECODE,))
+    _check_split(c, tokens, _spawn(_model_rank, tmp_path, tokens))
+
+
+def test_a_model_split_over_two_ranks_sharing_one_gpu_computes_what_one_gpu_computes(tmp_path) -> None:
+    """The same, with both ranks' processes on GPU 0."""
+    c = small_config()
+    tokens = torch.randint(0, c.vocab_size, (PROMPT + DECODE,))
+    _check_split(c, tokens, _spawn(_model_rank, tmp_path, tokens, True, gpus=1))
+
+
+def _check_split(c, tokens: torch.Tensor, ranks: list[dict]) -> None:
+    """The ranks' logits, draws and states agree bit for bit, and follow the one-GPU model's."""
     from dsuf.gpu.model import GpuModel
     from dsuf.gpu.weights import random_source
 
-    c = small_config()
-    tokens = torch.randint(0, c.vocab_size, (PROMPT + DECODE,))
-    ranks = _spawn(_model_rank, tmp_path, tokens)
     for a, b in zip(ranks[0]["logits"], ranks[1]["logits"]):
         assert torch.equal(a, b)
     assert ranks[0]["drawn"] == ranks[1]["drawn"] and len(set(ranks[0]["drawn"])) > 5  # sampled, not stuck
