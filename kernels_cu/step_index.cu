@@ -25,7 +25,7 @@ struct StepKind {
   int* key_start;    // [B] (ratio 4)
   int* n_keys;
   i64* key_row;
-  int ratio, n_max, cols, rope;
+  int ratio, n_max, cols;
 };
 
 struct StepIndexParams {

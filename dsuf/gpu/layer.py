@@ -211,7 +211,7 @@ class _StepKind(ctypes.Structure):
     """Mirror of `struct StepKind` in kernels_cu/step_index.cu."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("attn_idx", "window_slot", "comp_slot", "comp_base", "attn_used", "key_start", "n_keys", "key_row")] + [
-        (name, ctypes.c_int) for name in ("ratio", "n_max", "cols", "rope")
+        (name, ctypes.c_int) for name in ("ratio", "n_max", "cols")
     ]
 
 
