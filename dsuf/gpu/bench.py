@@ -45,7 +45,7 @@ from dsuf.model.config import ModelConfig, parse_config
 from dsuf.model.layers import Numerics
 
 from .attention import KV_ENTRY_BYTES, pack_kv, unpack_kv
-from .collective import AbsentPeers
+from .collective import AbsentPeers, IpcCollective
 from .indexer import INDEX_ENTRY_BYTES, pack_index_keys, unpack_index_keys
 from .layer import (
     PREFILL_CHUNK,
@@ -344,7 +344,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="with --model: tensor-parallel over this many GPUs (one process each)")
     p.add_argument("--collective", choices=("ipc", "nccl"), default="ipc", help="with --tp: the all-reduce and all-gather (default ipc)")
     p.add_argument("--shard-of", type=int, default=1, metavar="N", help="with --model: one rank's share of a --tp N split on this one GPU, its "
-                   "collectives left out (a tensor-parallel rank's work timed where N GPUs are not at hand)")
+                   "collectives' communication left out (the all-reduce kernels run with this rank alone: a tensor-parallel rank's work "
+                   "timed where N GPUs are not at hand)")
 
 
 def head_bytes(c: ModelConfig, batch: int, world: int = 1) -> int:
@@ -366,7 +367,7 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
     drafting = args.tokens_per_seq > 1 and c.n_mtp_layers > 0  # then the MTP layer is built and its draft timed too
     small = dataclasses.replace(c, n_layers=n, compress_ratios=c.compress_ratios[:n], n_mtp_layers=c.n_mtp_layers if drafting else 0)
     alone = tp is not None and isinstance(tp.collective, AbsentPeers)
-    split = f"one rank of a {world}-GPU split alone on this GPU, its collectives left out" if alone else f"tensor-parallel over {world} GPUs ({args.collective} collectives)"
+    split = f"one rank of a {world}-GPU split alone on this GPU, its collectives' communication left out" if alone else f"tensor-parallel over {world} GPUs ({args.collective} collectives)"
     say(f"whole model: layers 0..{n - 1} ({', '.join(layer_kind(r) for r in small.compress_ratios)}) + embedding + head"
         + (f", {split}" if tp else ""), flush=True)
     rows_out, prefills = [], []
@@ -425,7 +426,8 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
         say(f"every sequence feeds {args.tokens_per_seq} consecutive tokens a step (speculative decoding's verify step): "
             "tokens/s counts all of them as accepted")
     if alone:
-        say(f"one rank's work: add the step's {2 * n} all-reduces and one logits all-gather, which are not run (collectives µs: 0)")
+        say(f"one rank's work: its {2 * n} all-reduces run their kernels with this rank alone (no peers to push to or wait for); "
+            "add their communication and one logits all-gather, which is not run (collectives µs: 0)")
     elif tp:
         say(f"collectives µs = the step's {2 * n} all-reduces and one logits all-gather ({args.collective}), timed alone in a CUDA graph")
     say("step µs: the step at position context - 1, which completes a compressed group in every compressed layer; "
@@ -579,7 +581,13 @@ def run(args: argparse.Namespace) -> int:
     bw = copy_bandwidth(device)
     print(f"device-to-device copy: {bw / 1e9:.0f} GB/s (read + write)", flush=True)
     if args.model:
-        alone = TensorParallel(0, args.shard_of, AbsentPeers(args.shard_of)) if args.shard_of > 1 else None
+        alone = None
+        if args.shard_of > 1:  # the all-reduce kernels run with this rank alone (AbsentPeers)
+            from . import tp as tensor_parallel
+            from .model import step_rows
+
+            local = IpcCollective.sharing_one_device(1, device, tensor_parallel.slot_bytes(c, args.shard_of, step_rows(max(args.batch))))[0]
+            alone = TensorParallel(0, args.shard_of, AbsentPeers(args.shard_of, local))
         return bench_model(c, args, device, bw, alone)
 
     tensors: dict[str, torch.Tensor] = {}

@@ -162,12 +162,13 @@ class IpcCollective:
         get_kernel("collective", name, self.device)((CTAS, 1, 1), THREADS, [p])
 
     def _to_bulk(self, x: torch.Tensor) -> bool:
-        return self.bulk is not None and x.numel() * x.element_size() >= BULK_BYTES and not torch.cuda.is_current_stream_capturing()
+        """Whether x goes to NCCL (a prompt chunk's large message, outside graph capture)."""
+        return x.numel() * x.element_size() >= BULK_BYTES and not torch.cuda.is_current_stream_capturing()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.numel() % 8:
             raise ValueError(f"all_reduce: need bf16 with a multiple of 8 elements, got {x.dtype} {tuple(x.shape)}")
-        if self._to_bulk(x):
+        if self.bulk is not None and self._to_bulk(x):
             return self.bulk.all_reduce(x)
         out = torch.empty_like(x)
         self._launch("all_reduce_bf16", x, out, x.numel(), 1)
@@ -177,7 +178,7 @@ class IpcCollective:
         t, d = partial.shape
         if partial.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or tuple(x.shape) != (t, HC_N, d) or d % 8:
             raise ValueError(f"all_reduce_expand: need bf16 partial [T, D] and streams [T, {HC_N}, D], got {tuple(partial.shape)}, {tuple(x.shape)}")
-        if self._to_bulk(partial):
+        if self.bulk is not None and self._to_bulk(partial):
             return self.bulk.all_reduce_expand(partial, x, post, comb)
         out, x = torch.empty_like(partial), x.contiguous()
         y = torch.empty_like(x)
@@ -220,17 +221,25 @@ class NcclCollective:
 
 class AbsentPeers:
     """Rank 0 of a `world`-rank split run without its peers (`dsuf bench --shard-of`): the GPU does a
-    real rank's share of every step, and the collectives are left out (a partial sum stands for the
-    sum; the logits' all-gather repeats this rank's slice), so that a machine of one GPU can time a
-    tensor-parallel rank's work. Its numbers are not the model's."""
+    real rank's share of every step, and the collectives' communication is left out. With `local`
+    (an IpcCollective of this rank alone) a step's all-reduces run the IPC kernels as the split
+    would, less the peers (pushes to its own inbox, a meeting with itself): their footprint on the
+    GPU stays in the step's time; messages the split hands to NCCL are left out (a partial sum
+    stands for the sum), as is the logits' all-gather (this rank's slice repeated). Its numbers
+    are not the model's."""
 
-    def __init__(self, world: int) -> None:
-        self.rank, self.world = 0, world
+    def __init__(self, world: int, local: IpcCollective | None = None) -> None:
+        self.rank, self.world, self.local = 0, world, local
+
+    def _runs(self, x: torch.Tensor) -> bool:
+        return self.local is not None and not self.local._to_bulk(x) and x.numel() * x.element_size() <= self.local.slot_bytes
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+        return self.local.all_reduce(x) if self._runs(x) else x
 
     def all_reduce_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._runs(partial):
+            return self.local.all_reduce_expand(partial, x, post, comb)
         return partial, hc_expand(partial, x, post, comb)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
