@@ -1,34 +1,34 @@
 // Low-latency collectives among the tensor-parallel ranks of one host, over CUDA IPC peer memory
 // (NVLink): one kernel launch each, no NCCL, capturable in CUDA graphs.
 //
-// Every rank owns an inbox (two slots, each with a region per sender rank) and a flag array, both
-// mapped into every rank's address space. A call (every call launches exactly CTAS CTAs on every
-// rank) goes:
+// Every rank owns an inbox (two slots, each with a region per sender rank) mapped into every
+// rank's address space. An inbox word that holds EMPTY has not been written: the data carries its
+// own arrival, so a call needs no flags and no fences (Lamport's trick, as low-latency all-reduces
+// for small messages use it). A call goes:
 //   1. CTA b pushes its share [lo, hi) of the input into this call's slot, its own region, of
-//      every rank's inbox (its own included): stores over NVLink, which do not wait for a reply;
-//   2. the CTAs b of all ranks meet: each stores the call's epoch into every rank's flag (b, me)
-//      with release semantics (after its pushes), then waits until its own flags (b, r) reach the
-//      epoch (acquire): every rank's share has then landed in its own inbox;
-//   3. CTA b reads share [lo, hi) of every sender's region of its own inbox (local memory), in
-//      rank order, and writes the output.
-// Pushing instead of reading the peers' buffers saves a round trip over NVLink per call. A CTA
-// only reads what the same-numbered CTAs of the peers wrote, so a per-CTA meeting suffices.
-// Slots alternate by call: a rank pushes into slot s again two calls later, and by then every
-// peer has met it in the call between, so its reads of slot s are over (kernels of a rank run in
-// stream order). Epochs are per-CTA counters in device memory, so replays of a captured
-// graph keep counting. Sums are taken in rank order, so every rank gets the same bits (ranks keep
-// replicated state, e.g. KV caches and expert routing, that must not drift apart).
+//      every peer's inbox: stores over NVLink, which do not wait for a reply;
+//   2. it reads the same share of every peer's region of its own inbox, each 16-byte vector
+//      until none of its words is EMPTY (a pushed word never is: `sendable`), and empties it
+//      again; its own share it takes from its input. Sums are in rank order, so every rank gets
+//      the same bits (ranks keep replicated state, e.g. KV caches and expert routing, that must
+//      not drift apart).
+// Slots alternate by call. A peer pushes into slot s again two calls later, which it starts only
+// after its call between has received this rank's part of that call, which this rank pushed after
+// its kernel of this call had ended (kernels of a rank run in stream order, each one's start
+// waiting for its predecessor's end): by then the vectors read here are empty again. Every call
+// launches exactly CTAS CTAs, each counting its calls in device memory (epochs), so all CTAs
+// agree on the slot, and replays of a captured graph keep counting.
 #include "mhc.cuh"
 
 #define MAX_RANKS 8
 #define CTAS 32
-#define THREADS 512
+#define THREADS 128
+#define EMPTY 0x80008000u  // an inbox word not yet written (two bf16 -0.0)
 #define TIMEOUT_NS 60000000000ull  // a peer that never arrives (it died) ends in a trap, not a hang
 
 struct Peers {
-  u8* staging[MAX_RANKS];  // rank r's inbox (slot s, sender q at (s * world + q) * slot_bytes), mapped here
-  u32* flags[MAX_RANKS];   // rank r's flags [CTAS][MAX_RANKS], mapped here
-  u32* epoch;              // this rank's per-CTA call counters [CTAS]
+  u8* inbox[MAX_RANKS];  // rank r's inbox (slot s, sender q at (s * world + q) * slot_bytes), mapped here
+  u32* epoch;            // this rank's per-CTA call counters [CTAS]
   i64 slot_bytes;
   int rank;
   int world;
@@ -49,18 +49,14 @@ struct CollParams {
   int dim;
 };
 
-DSUF_DEVICE u32 ld_acquire_sys(const u32* p) {
-  u32 v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-DSUF_DEVICE void st_release_sys(u32* p, u32 v) { asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory"); }
-
 DSUF_DEVICE uint4 ld_volatile_u4(const void* p) {
   uint4 v;
   asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
+}
+
+DSUF_DEVICE void st_volatile_u4(void* p, uint4 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
 DSUF_DEVICE u64 global_ns() {
@@ -81,22 +77,6 @@ DSUF_DEVICE void end_call(const Peers& P, u32 epoch) {
   if (threadIdx.x == 0) P.epoch[blockIdx.x] = epoch;
 }
 
-// CTA b of every rank has written its share of its staging slot.
-DSUF_DEVICE void meet(const Peers& P, u32 epoch) {
-  __syncthreads();
-  const int r = threadIdx.x;
-  if (r < P.world) {
-    __threadfence_system();
-    st_release_sys(P.flags[r] + blockIdx.x * MAX_RANKS + P.rank, epoch);
-    const u32* mine = P.flags[P.rank] + blockIdx.x * MAX_RANKS + r;
-    const u64 start = global_ns();
-    while ((int)(ld_acquire_sys(mine) - epoch) < 0) {
-      if (global_ns() - start > TIMEOUT_NS) __trap();
-    }
-  }
-  __syncthreads();
-}
-
 // This CTA's share [lo, hi) of n items.
 DSUF_DEVICE void share(i64 n, i64& lo, i64& hi) {
   const i64 per = (n + CTAS - 1) / CTAS;
@@ -105,34 +85,59 @@ DSUF_DEVICE void share(i64 n, i64& lo, i64& hi) {
 }
 
 // Sender q's region of this call's slot in rank r's inbox.
-DSUF_DEVICE u8* region(const Peers& P, int r, int q, u32 epoch) { return P.staging[r] + ((epoch & 1) * P.world + q) * P.slot_bytes; }
+DSUF_DEVICE u8* region(const Peers& P, int r, int q, u32 epoch) { return P.inbox[r] + ((epoch & 1) * P.world + q) * P.slot_bytes; }
 
-DSUF_DEVICE void stage_in(const Peers& P, u32 epoch, const uint4* in, i64 lo, i64 hi) {
-  for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) {
-    const uint4 v = in[i];
-    for (int r = 0; r < P.world; ++r) reinterpret_cast<uint4*>(region(P, r, P.rank, epoch))[i] = v;
-  }
+// A vector as it is pushed: a word equal to EMPTY (two bf16 -0.0, or the float32 -2^-134) becomes
+// 0x80000000 (bf16 +0.0 and -0.0: the same values; float32 -0.0). Every rank takes its own part
+// so too, so that all compute on the same bits.
+DSUF_DEVICE uint4 sendable(uint4 v) {
+  v.x = v.x == EMPTY ? 0x80000000u : v.x;
+  v.y = v.y == EMPTY ? 0x80000000u : v.y;
+  v.z = v.z == EMPTY ? 0x80000000u : v.z;
+  v.w = v.w == EMPTY ? 0x80000000u : v.w;
+  return v;
 }
 
-// Steps 1 and 2 of a call whose input is `vecs` 16-byte vectors: this CTA's share [lo, hi) pushed,
-// the ranks met. Returns the call's epoch.
-DSUF_DEVICE u32 stage_and_meet(const Peers& P, const void* in, i64 vecs, i64& lo, i64& hi) {
+DSUF_DEVICE bool landed(uint4 v) { return v.x != EMPTY && v.y != EMPTY && v.z != EMPTY && v.w != EMPTY; }
+
+// Step 1 of a call whose input is `vecs` 16-byte vectors: this CTA's share [lo, hi) pushed to every
+// peer. Returns the call's epoch.
+DSUF_DEVICE u32 push_share(const Peers& P, const void* in, i64 vecs, i64& lo, i64& hi) {
   const u32 epoch = begin_call(P);
   share(vecs, lo, hi);
-  stage_in(P, epoch, reinterpret_cast<const uint4*>(in), lo, hi);
-  meet(P, epoch);
+  if (P.world > 1) {
+    for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) {
+      const uint4 v = sendable(reinterpret_cast<const uint4*>(in)[i]);
+      for (int r = 0; r < P.world; ++r)
+        if (r != P.rank) st_volatile_u4(region(P, r, P.rank, epoch) + i * 16, v);
+    }
+  }
   return epoch;
 }
 
-// What rank r pushed this call: its region of this rank's own inbox.
-DSUF_DEVICE const u8* slot_of(const Peers& P, int r, u32 epoch) { return region(P, P.rank, r, epoch); }
+// Vector i of rank q's input this call: this rank's own from `in`; a peer's from its region of this
+// rank's inbox, waited for, then emptied for the call after next.
+DSUF_DEVICE uint4 part_of(const Peers& P, u32 epoch, int q, const void* in, i64 i) {
+  if (q == P.rank) return sendable(reinterpret_cast<const uint4*>(in)[i]);
+  uint4* at = reinterpret_cast<uint4*>(region(P, P.rank, q, epoch)) + i;
+  uint4 v = ld_volatile_u4(at);
+  if (!landed(v)) {
+    const u64 start = global_ns();
+    do {
+      if (global_ns() - start > TIMEOUT_NS) __trap();
+      v = ld_volatile_u4(at);
+    } while (!landed(v));
+  }
+  *at = make_uint4(EMPTY, EMPTY, EMPTY, EMPTY);
+  return v;
+}
 
-// The rank-ordered float32 sum of vector i (8 bf16) of every rank's staged input, each element
-// rounded to bf16 (returned as floats) and stored to out.
-DSUF_DEVICE void sum8(const Peers& P, u32 epoch, i64 i, uint4* out, float o[8]) {
+// The rank-ordered float32 sum of vector i (8 bf16) of every rank's input, each element rounded to
+// bf16 (returned as floats) and stored to out.
+DSUF_DEVICE void sum8(const Peers& P, u32 epoch, const void* in, i64 i, uint4* out, float o[8]) {
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   for (int r = 0; r < P.world; ++r) {
-    const uint4 v = ld_volatile_u4(slot_of(P, r, epoch) + i * 16);
+    const uint4 v = part_of(P, epoch, r, in, i);
     const u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -155,9 +160,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_bf16(CollParams
   pdl_begin();
   const Peers& P = p.peers;
   i64 lo, hi;
-  const u32 epoch = stage_and_meet(P, p.in, p.n / 8, lo, hi);
+  const u32 epoch = push_share(P, p.in, p.n / 8, lo, hi);
   float o[8];
-  for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) sum8(P, epoch, i, reinterpret_cast<uint4*>(p.out), o);
+  for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) sum8(P, epoch, p.in, i, reinterpret_cast<uint4*>(p.out), o);
   end_call(P, epoch);
 }
 
@@ -167,10 +172,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_expand_bf16(Col
   pdl_begin();
   const Peers& P = p.peers;
   i64 lo, hi;
-  const u32 epoch = stage_and_meet(P, p.in, p.n / 8, lo, hi);
+  const u32 epoch = push_share(P, p.in, p.n / 8, lo, hi);
   float o[8];
   for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) {
-    sum8(P, epoch, i, reinterpret_cast<uint4*>(p.out), o);
+    sum8(P, epoch, p.in, i, reinterpret_cast<uint4*>(p.out), o);
     const i64 e = 8 * i;
     hc_expand8(o, p.x, p.post, p.comb, p.y, (int)(e / p.dim), (int)(e % p.dim), p.dim);
   }
@@ -183,11 +188,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) all_gather_f32(CollParams 
   const Peers& P = p.peers;
   const i64 vecs = p.n / 4;  // 16-byte vectors per row a rank gives
   i64 lo, hi;
-  const u32 epoch = stage_and_meet(P, p.in, p.rows * vecs, lo, hi);
+  const u32 epoch = push_share(P, p.in, p.rows * vecs, lo, hi);
   uint4* out = reinterpret_cast<uint4*>(p.out);
   for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) {
     const i64 row = i / vecs, j = i % vecs;
-    for (int r = 0; r < P.world; ++r) out[(row * P.world + r) * vecs + j] = ld_volatile_u4(slot_of(P, r, epoch) + i * 16);
+    for (int r = 0; r < P.world; ++r) out[(row * P.world + r) * vecs + j] = part_of(P, epoch, r, p.in, i);
   }
   end_call(P, epoch);
 }

@@ -28,8 +28,8 @@ from .runtime import _check, _driver, get_kernel
 
 MAX_RANKS = 8
 CTAS = 32  # mirror of collective.cu
-THREADS = 512
-FLAG_BYTES = CTAS * MAX_RANKS * 4
+THREADS = 128
+EMPTY = 0x80008000  # an inbox word not yet written
 HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
 BULK_BYTES = 1 << 20  # from here an all-reduce goes to NCCL (a prompt chunk of 128 rows and more)
 
@@ -53,8 +53,7 @@ class Collective(Protocol):
 
 class _Peers(ctypes.Structure):
     _fields_ = [
-        ("staging", ctypes.c_void_p * MAX_RANKS),
-        ("flags", ctypes.c_void_p * MAX_RANKS),
+        ("inbox", ctypes.c_void_p * MAX_RANKS),
         ("epoch", ctypes.c_void_p),
         ("slot_bytes", ctypes.c_int64),
         ("rank", ctypes.c_int),
@@ -79,23 +78,23 @@ class _CollParams(ctypes.Structure):
 
 class IpcCollective:
     """Inboxes in every rank's memory, two slots of `slot_bytes` (the largest message a rank
-    contributes) for each sender, mapped into every other rank through CUDA IPC. Construct it on every rank of
-    `group` at the same time (it exchanges handles and waits for all)."""
+    contributes) for each sender, mapped into every other rank through CUDA IPC. Construct it on
+    every rank of `group` at the same time (it exchanges handles and waits for all)."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device, slot_bytes: int, bulk: NcclCollective | None = None) -> None:
         self._setup(dist.get_rank(group), dist.get_world_size(group), device, slot_bytes, bulk)
         own = self._buffers()
-        everyone: list[list[bytes] | None] = [None] * self.world
-        dist.all_gather_object(everyone, [self._handle(p) for p in own], group=group)
-        self._wire([own if r == self.rank else [self._open(h) for h in theirs] for r, theirs in enumerate(everyone)])
+        everyone: list[bytes | None] = [None] * self.world
+        dist.all_gather_object(everyone, self._handle(own), group=group)
+        self._wire([own if r == self.rank else self._open(theirs) for r, theirs in enumerate(everyone)])
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # nobody launches before every rank has mapped every buffer
 
     @classmethod
     def sharing_one_device(cls, world: int, device: torch.device, slot_bytes: int) -> list[IpcCollective]:
         """`world` ranks' collectives for ranks that share one GPU in this process (tests of the
-        tensor-parallel path on a machine of one GPU): each rank's inbox and flags addressed by the
-        others directly. Run each rank's work on a stream of its own, so that one rank's kernel
+        tensor-parallel path on a machine of one GPU): each rank's inbox addressed by the others
+        directly. Run each rank's work on a stream of its own, so that one rank's kernel
         waiting for its peers never holds back theirs; messages of any size take the IPC kernels."""
         ranks = [cls.__new__(cls) for _ in range(world)]
         for r, c in enumerate(ranks):
@@ -116,19 +115,20 @@ class IpcCollective:
         torch.zeros(1, device=device)  # the primary context, current on this thread
         self.epoch = torch.zeros(CTAS, dtype=torch.int32, device=device)
 
-    def _buffers(self) -> list:
-        """This rank's inbox and (zeroed) flags. Held for the process's life: the driver frees
-        them, and unmaps the peers', at exit."""
-        own = [self._alloc(2 * self.world * self.slot_bytes), self._alloc(FLAG_BYTES)]
-        (err,) = _driver().cuMemsetD32(own[1], 0, FLAG_BYTES // 4)
+    def _buffers(self):
+        """This rank's inbox, every word EMPTY. Held for the process's life: the driver frees it,
+        and unmaps the peers', at exit."""
+        nbytes = 2 * self.world * self.slot_bytes
+        inbox = self._alloc(nbytes)
+        (err,) = _driver().cuMemsetD32(inbox, EMPTY, nbytes // 4)
         _check(err, "cuMemsetD32")
-        return own
+        return inbox
 
-    def _wire(self, buffers: list[list]) -> None:
-        """Every rank's (inbox, flags) as this rank addresses them."""
+    def _wire(self, inboxes: list) -> None:
+        """Every rank's inbox as this rank addresses it."""
         peers = _Peers()
-        for r, (staging, flags) in enumerate(buffers):
-            peers.staging[r], peers.flags[r] = int(staging), int(flags)
+        for r, inbox in enumerate(inboxes):
+            peers.inbox[r] = int(inbox)
         peers.epoch, peers.slot_bytes, peers.rank, peers.world = self.epoch.data_ptr(), self.slot_bytes, self.rank, self.world
         self._peers = peers
 
@@ -157,7 +157,7 @@ class IpcCollective:
         if inp.device != self.device or not inp.is_contiguous():
             raise ValueError(f"{name}: need a contiguous tensor on {self.device}")
         if inp.numel() * inp.element_size() > self.slot_bytes:
-            raise ValueError(f"{name}: {inp.numel() * inp.element_size()} bytes exceed the staging slot of {self.slot_bytes}")
+            raise ValueError(f"{name}: {inp.numel() * inp.element_size()} bytes exceed the inbox slot of {self.slot_bytes}")
         p = _CollParams(self._peers, inp.data_ptr(), out.data_ptr(), n, rows, **expand)
         get_kernel("collective", name, self.device)((CTAS, 1, 1), THREADS, [p])
 
@@ -223,8 +223,8 @@ class AbsentPeers:
     """Rank 0 of a `world`-rank split run without its peers (`dsuf bench --shard-of`): the GPU does a
     real rank's share of every step, and the collectives' communication is left out. With `local`
     (an IpcCollective of this rank alone) a step's all-reduces run the IPC kernels as the split
-    would, less the peers (pushes to its own inbox, a meeting with itself): their footprint on the
-    GPU stays in the step's time; messages the split hands to NCCL are left out (a partial sum
+    would, less the peers (no pushes, nothing to wait for): their footprint on the GPU stays in
+    the step's time; messages the split hands to NCCL are left out (a partial sum
     stands for the sum), as is the logits' all-gather (this rank's slice repeated). Its numbers
     are not the model's."""
 

@@ -115,7 +115,7 @@ class TensorParallel:
 def start(rank: int, world: int, init_method: str, device: torch.device, kind: str = "ipc", slot_bytes: int = 16 << 20,
           bulk: bool = True) -> TensorParallel:
     """Join the ranks' process group (gloo, for setting up) and build the collective: "ipc"
-    (kernels_cu/collective.cu, with staging slots of slot_bytes, and with `bulk` NCCL for prompt
+    (kernels_cu/collective.cu, with inbox slots of slot_bytes, and with `bulk` NCCL for prompt
     chunks' large messages) or "nccl". NCCL's communicator is set up here, not on a first request.
     Without `bulk` (ranks sharing one GPU, which NCCL refuses: tests) the IPC kernels take every
     message, so slot_bytes must hold a prompt chunk's."""

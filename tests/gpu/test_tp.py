@@ -165,6 +165,52 @@ def test_ipc_collectives_of_two_ranks_sharing_one_gpu(cuda) -> None:
             assert torch.equal(a, _sum(xs)) and torch.equal(b, _sum([_sum(xs)] * WORLD))
 
 
+def test_ipc_collectives_take_any_bits_and_any_sequence_of_sizes(cuda) -> None:
+    """An inbox word holding the EMPTY pattern (0x80008000) has not arrived: inputs made of those
+    bits (bf16 pairs of -0.0, the float32 -2^-134) still arrive, as zeros of the same value, and a
+    graph of calls whose sizes change from call to call (each slot's vectors emptied by its reader
+    for the call after next) gives every call's sum, replay after replay."""
+    from dsuf.gpu.collective import EMPTY, IpcCollective
+
+    ranks = IpcCollective.sharing_one_device(WORLD, cuda, 1 << 20)
+    streams = [torch.cuda.Stream(cuda) for _ in ranks]
+    main = torch.cuda.current_stream(cuda)
+
+    def on_each(call) -> list:
+        outs = []
+        for r, (coll, stream) in enumerate(zip(ranks, streams)):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                outs.append(call(r, coll))
+        for stream in streams:
+            main.wait_stream(stream)
+        return outs
+
+    words = torch.full((4, 2048), EMPTY - (1 << 32), dtype=torch.int32, device=cuda)  # EMPTY as int32's bits
+    zeros = [words.view(torch.bfloat16), (torch.randn(4, 4096, device=cuda) * 4).bfloat16()]
+    zeros[1][:2] = -0.0  # both ranks' rows 0 and 1 all -0.0
+    for got in on_each(lambda r, coll: coll.all_reduce(zeros[r])):
+        assert torch.equal(got, _sum(zeros)) and not got[:2].any()
+    cols = [words.view(torch.float32), torch.randn(4, 2048, device=cuda)]
+    for got in on_each(lambda r, coll: coll.all_gather(cols[r])):
+        assert torch.equal(got[:, 2048:], cols[1]) and not got[:, :2048].any()  # -2^-134 arrives as -0.0
+
+    sizes = [1, 64, 8, 1, 1, 32, 2, 64, 1]
+    xs = [[torch.empty(rows, 4096, dtype=torch.bfloat16, device=cuda) for rows in sizes] for _ in ranks]
+    graphs, outs = [torch.cuda.CUDAGraph() for _ in ranks], [[] for _ in ranks]
+    for r, coll in enumerate(ranks):
+        with torch.cuda.graph(graphs[r], stream=streams[r]):
+            outs[r] = [coll.all_reduce(x) for x in xs[r]]
+    for _ in range(4):
+        for mine in xs:
+            for x in mine:
+                x.copy_(torch.randn(x.shape, device=cuda) * 4)
+        on_each(lambda r, coll: graphs[r].replay())
+        for call in range(len(sizes)):
+            want = _sum([xs[r][call] for r in range(WORLD)])
+            assert all(torch.equal(outs[r][call], want) for r in range(WORLD))
+
+
 SEED, PROMPT, DECODE = 7, 600, 6  # a prompt for the prefill path (dense GEMMs, NCCL for its all-reduces)
 
 
