@@ -6,33 +6,25 @@
 // own arrival, so a call needs no flags and no fences (Lamport's trick, as low-latency all-reduces
 // for small messages use it). A call goes:
 //   1. CTA b pushes its share [lo, hi) of the input into this call's slot, its own region, of
-//      every peer's inbox: stores over NVLink, which do not wait for a reply;
+//      every peer's inbox: stores over NVLink, which do not wait for a reply (or the kernel that
+//      made the input pushed all of it as it wrote it: peers.cuh's send_vec, `pushed`);
 //   2. it reads the same share of every peer's region of its own inbox, each 16-byte vector
 //      until none of its words is EMPTY (a pushed word never is: `sendable`), and empties it
 //      again; its own share it takes from its input. Sums are in rank order, so every rank gets
 //      the same bits (ranks keep replicated state, e.g. KV caches and expert routing, that must
 //      not drift apart).
 // Slots alternate by call. A peer pushes into slot s again two calls later, which it starts only
-// after its call between has received this rank's part of that call, which this rank pushed after
-// its kernel of this call had ended (kernels of a rank run in stream order, each one's start
+// after its call between has received this rank's part of that call, which this rank pushed (in
+// that call or in its producer) after its kernel of this call had ended (kernels of a rank run in stream order, each one's start
 // waiting for its predecessor's end): by then the vectors read here are empty again. Every call
 // launches exactly CTAS CTAs, each counting its calls in device memory (epochs), so all CTAs
 // agree on the slot, and replays of a captured graph keep counting.
 #include "mhc.cuh"
+#include "peers.cuh"
 
-#define MAX_RANKS 8
 #define CTAS 32
 #define THREADS 128
-#define EMPTY 0x80008000u  // an inbox word not yet written (two bf16 -0.0)
 #define TIMEOUT_NS 60000000000ull  // a peer that never arrives (it died) ends in a trap, not a hang
-
-struct Peers {
-  u8* inbox[MAX_RANKS];  // rank r's inbox (slot s, sender q at (s * world + q) * slot_bytes), mapped here
-  u32* epoch;            // this rank's per-CTA call counters [CTAS]
-  i64 slot_bytes;
-  int rank;
-  int world;
-};
 
 struct CollParams {
   Peers peers;
@@ -47,16 +39,13 @@ struct CollParams {
   const float* comb;
   u16* y;
   int dim;
+  int pushed;  // this rank's part already pushed by its producer (send_vec)
 };
 
 DSUF_DEVICE uint4 ld_volatile_u4(const void* p) {
   uint4 v;
   asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
-}
-
-DSUF_DEVICE void st_volatile_u4(void* p, uint4 v) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
 DSUF_DEVICE u64 global_ns() {
@@ -84,34 +73,15 @@ DSUF_DEVICE void share(i64 n, i64& lo, i64& hi) {
   hi = lo + per < n ? lo + per : n;
 }
 
-// Sender q's region of this call's slot in rank r's inbox.
-DSUF_DEVICE u8* region(const Peers& P, int r, int q, u32 epoch) { return P.inbox[r] + ((epoch & 1) * P.world + q) * P.slot_bytes; }
-
-// A vector as it is pushed: a word equal to EMPTY (two bf16 -0.0, or the float32 -2^-134) becomes
-// 0x80000000 (bf16 +0.0 and -0.0: the same values; float32 -0.0). Every rank takes its own part
-// so too, so that all compute on the same bits.
-DSUF_DEVICE uint4 sendable(uint4 v) {
-  v.x = v.x == EMPTY ? 0x80000000u : v.x;
-  v.y = v.y == EMPTY ? 0x80000000u : v.y;
-  v.z = v.z == EMPTY ? 0x80000000u : v.z;
-  v.w = v.w == EMPTY ? 0x80000000u : v.w;
-  return v;
-}
-
 DSUF_DEVICE bool landed(uint4 v) { return v.x != EMPTY && v.y != EMPTY && v.z != EMPTY && v.w != EMPTY; }
 
 // Step 1 of a call whose input is `vecs` 16-byte vectors: this CTA's share [lo, hi) pushed to every
-// peer. Returns the call's epoch.
-DSUF_DEVICE u32 push_share(const Peers& P, const void* in, i64 vecs, i64& lo, i64& hi) {
+// peer (unless its producer pushed it). Returns the call's epoch.
+DSUF_DEVICE u32 push_share(const Peers& P, const void* in, i64 vecs, bool pushed, i64& lo, i64& hi) {
   const u32 epoch = begin_call(P);
   share(vecs, lo, hi);
-  if (P.world > 1) {
-    for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) {
-      const uint4 v = sendable(reinterpret_cast<const uint4*>(in)[i]);
-      for (int r = 0; r < P.world; ++r)
-        if (r != P.rank) st_volatile_u4(region(P, r, P.rank, epoch) + i * 16, v);
-    }
-  }
+  if (P.world > 1 && !pushed)
+    for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) push_vec(P, epoch, i, reinterpret_cast<const uint4*>(in)[i]);
   return epoch;
 }
 
@@ -160,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_bf16(CollParams
   pdl_begin();
   const Peers& P = p.peers;
   i64 lo, hi;
-  const u32 epoch = push_share(P, p.in, p.n / 8, lo, hi);
+  const u32 epoch = push_share(P, p.in, p.n / 8, p.pushed, lo, hi);
   float o[8];
   for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) sum8(P, epoch, p.in, i, reinterpret_cast<uint4*>(p.out), o);
   end_call(P, epoch);
@@ -172,7 +142,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) all_reduce_expand_bf16(Col
   pdl_begin();
   const Peers& P = p.peers;
   i64 lo, hi;
-  const u32 epoch = push_share(P, p.in, p.n / 8, lo, hi);
+  const u32 epoch = push_share(P, p.in, p.n / 8, p.pushed, lo, hi);
   float o[8];
   for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) {
     sum8(P, epoch, p.in, i, reinterpret_cast<uint4*>(p.out), o);
@@ -188,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) all_gather_f32(CollParams 
   const Peers& P = p.peers;
   const i64 vecs = p.n / 4;  // 16-byte vectors per row a rank gives
   i64 lo, hi;
-  const u32 epoch = push_share(P, p.in, p.rows * vecs, lo, hi);
+  const u32 epoch = push_share(P, p.in, p.rows * vecs, p.pushed, lo, hi);
   uint4* out = reinterpret_cast<uint4*>(p.out);
   for (i64 i = lo + threadIdx.x; i < hi; i += THREADS) {
     const i64 row = i / vecs, j = i % vecs;

@@ -33,6 +33,13 @@ EMPTY = 0x80008000  # an inbox word not yet written
 HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
 BULK_BYTES = 1 << 20  # from here an all-reduce goes to NCCL (a prompt chunk of 128 rows and more)
 
+
+def bulk_message(nbytes: int) -> bool:
+    """Whether a message of nbytes is one the split hands to NCCL (a prompt chunk's large one,
+    outside graph capture)."""
+    return nbytes >= BULK_BYTES and not torch.cuda.is_current_stream_capturing()
+
+
 class Collective(Protocol):
     rank: int
     world: int
@@ -45,13 +52,23 @@ class Collective(Protocol):
         """float32 [rows, n] -> [rows, world * n], rank r's columns at r * n."""
         ...
 
-    def all_reduce_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def all_reduce_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                          pushed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """A sublayer's partial outputs bf16 [T, D] summed, then the mHC update of the streams x
-        bf16 [T, 4, D] with it (mhc.hc_expand): (the sum, the new streams)."""
+        bf16 [T, 4, D] with it (mhc.hc_expand): (the sum, the new streams). pushed: the kernel that
+        made `partial` pushed it to the peers (given `sender`'s peers)."""
+        ...
+
+    def sender(self, nbytes: int) -> Peers | None:
+        """Where the kernel making this rank's part (bf16, nbytes) of the next all-reduce can push
+        it to the peers itself (peers.cuh's send_vec): the peers to give it, or None (nothing to
+        push, or a message that does not go through the IPC kernels)."""
         ...
 
 
-class _Peers(ctypes.Structure):
+class Peers(ctypes.Structure):
+    """kernels_cu/peers.cuh's Peers; zeroed (world 0): nowhere to push."""
+
     _fields_ = [
         ("inbox", ctypes.c_void_p * MAX_RANKS),
         ("epoch", ctypes.c_void_p),
@@ -63,7 +80,7 @@ class _Peers(ctypes.Structure):
 
 class _CollParams(ctypes.Structure):
     _fields_ = [
-        ("peers", _Peers),
+        ("peers", Peers),
         ("inp", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
         ("n", ctypes.c_int64),
@@ -73,6 +90,7 @@ class _CollParams(ctypes.Structure):
         ("comb", ctypes.c_void_p),
         ("y", ctypes.c_void_p),
         ("dim", ctypes.c_int),
+        ("pushed", ctypes.c_int),
     ]
 
 
@@ -126,7 +144,7 @@ class IpcCollective:
 
     def _wire(self, inboxes: list) -> None:
         """Every rank's inbox as this rank addresses it."""
-        peers = _Peers()
+        peers = Peers()
         for r, inbox in enumerate(inboxes):
             peers.inbox[r] = int(inbox)
         peers.epoch, peers.slot_bytes, peers.rank, peers.world = self.epoch.data_ptr(), self.slot_bytes, self.rank, self.world
@@ -161,30 +179,36 @@ class IpcCollective:
         p = _CollParams(self._peers, inp.data_ptr(), out.data_ptr(), n, rows, **expand)
         get_kernel("collective", name, self.device)((CTAS, 1, 1), THREADS, [p])
 
-    def _to_bulk(self, x: torch.Tensor) -> bool:
-        """Whether x goes to NCCL (a prompt chunk's large message, outside graph capture)."""
-        return x.numel() * x.element_size() >= BULK_BYTES and not torch.cuda.is_current_stream_capturing()
+    def _to_bulk(self, nbytes: int) -> bool:
+        return self.bulk is not None and bulk_message(nbytes)
+
+    def sender(self, nbytes: int) -> Peers | None:
+        return self._peers if self.world > 1 and not self._to_bulk(nbytes) and nbytes <= self.slot_bytes else None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.numel() % 8:
             raise ValueError(f"all_reduce: need bf16 with a multiple of 8 elements, got {x.dtype} {tuple(x.shape)}")
-        if self.bulk is not None and self._to_bulk(x):
+        if self._to_bulk(x.numel() * x.element_size()):
             return self.bulk.all_reduce(x)
         out = torch.empty_like(x)
         self._launch("all_reduce_bf16", x, out, x.numel(), 1)
         return out
 
-    def all_reduce_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def all_reduce_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                          pushed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         t, d = partial.shape
         if partial.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or tuple(x.shape) != (t, HC_N, d) or d % 8:
             raise ValueError(f"all_reduce_expand: need bf16 partial [T, D] and streams [T, {HC_N}, D], got {tuple(partial.shape)}, {tuple(x.shape)}")
-        if self.bulk is not None and self._to_bulk(partial):
+        nbytes = partial.numel() * partial.element_size()
+        if pushed and self.sender(nbytes) is None:
+            raise ValueError(f"all_reduce_expand: a part of {nbytes} bytes cannot have been pushed (sender gives no peers for it)")
+        if self._to_bulk(nbytes):
             return self.bulk.all_reduce_expand(partial, x, post, comb)
         out, x = torch.empty_like(partial), x.contiguous()
         y = torch.empty_like(x)
         post, comb = post.float().contiguous(), comb.float().contiguous()
         self._launch("all_reduce_expand_bf16", partial, out, partial.numel(), 1,
-                     x=x.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(), y=y.data_ptr(), dim=d)
+                     x=x.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(), y=y.data_ptr(), dim=d, pushed=int(pushed))
         return out, y
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,9 +232,13 @@ class NcclCollective:
         dist.all_reduce(out, group=self.group)
         return out
 
-    def all_reduce_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def all_reduce_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                          pushed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         total = self.all_reduce(partial)
         return total, hc_expand(total, x, post, comb)
+
+    def sender(self, nbytes: int) -> Peers | None:
+        return None
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         rows, n = x.shape
@@ -232,12 +260,17 @@ class AbsentPeers:
         self.rank, self.world, self.local = 0, world, local
 
     def _runs(self, x: torch.Tensor) -> bool:
-        return self.local is not None and not self.local._to_bulk(x) and x.numel() * x.element_size() <= self.local.slot_bytes
+        nbytes = x.numel() * x.element_size()
+        return self.local is not None and not bulk_message(nbytes) and nbytes <= self.local.slot_bytes
+
+    def sender(self, nbytes: int) -> Peers | None:
+        return None  # (no peers to push to)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.local.all_reduce(x) if self._runs(x) else x
 
-    def all_reduce_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def all_reduce_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                          pushed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         if self._runs(partial):
             return self.local.all_reduce_expand(partial, x, post, comb)
         return partial, hc_expand(partial, x, post, comb)

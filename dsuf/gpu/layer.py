@@ -33,6 +33,7 @@ from dsuf.model.config import ModelConfig
 from dsuf.model.layers import Rope
 
 from .attention import new_pool, pack_kv, sparse_attention
+from .collective import Peers
 from .compressor import compress_chunk, compress_decode
 from .gemv import bf16_gemv, bf16_gemv_takes, fp8_grouped_gemv
 from .indexer import INDEX_ENTRY_BYTES, index_query_fp4, index_scores, topk_indices
@@ -378,11 +379,17 @@ class DecodeLayer:
             out = torch.mm(y, self.proj.t(), out_dtype=torch.float32) if self.mm_out_dtype else y.float() @ self.proj.t()
         return list(out.split(self.proj_split, dim=1))
 
-    def _sum_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sender(self, tokens: int) -> Peers | None:
+        """The peers to whom the kernel making this rank's part of a sublayer's output pushes it
+        (collective.sender), or None."""
+        return self.tp.collective.sender(tokens * self.c.dim * 2) if self.tp else None
+
+    def _sum_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                    pushed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """A sublayer's output (the ranks' partial outputs summed, in one kernel with the update)
-        and the mHC update of the streams x with it."""
+        and the mHC update of the streams x with it. pushed: partial's kernel pushed it (_sender)."""
         if self.tp:
-            return self.tp.collective.all_reduce_expand(partial, x, post, comb)
+            return self.tp.collective.all_reduce_expand(partial, x, post, comb, pushed)
         return partial, hc_expand(partial, x, post, comb)
 
     def stages(self, cache: LayerCache, ix: StepIndex) -> list[Stage]:
@@ -464,8 +471,9 @@ class DecodeLayer:
             # combine: joined here, it would hold the routed gate/up's launch until it ended.
             sinkhorn = b.pop(f"{L}.comb2{READY}", None)
             shared = (b[f"{L}.shared"], b.pop(f"{L}.shared{READY}", None)) if f"{L}.shared" in b else None
-            moe = self.moe(b[f"{L}.y2"], *b[f"{L}.route"], xq=b[f"{L}.y2q"], joins=(sinkhorn,) if sinkhorn is not None else (), shared=shared)
-            b[f"{L}.moe"], b[f"x{L + 1}"] = self._sum_expand(moe, b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"])
+            to = self._sender(b[f"{L}.y2"].shape[0])
+            moe = self.moe(b[f"{L}.y2"], *b[f"{L}.route"], xq=b[f"{L}.y2q"], joins=(sinkhorn,) if sinkhorn is not None else (), shared=shared, to=to)
+            b[f"{L}.moe"], b[f"x{L + 1}"] = self._sum_expand(moe, b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"], pushed=to is not None)
 
         def attention_inputs(b: dict) -> None:
             # q on this stream; alongside, each a chain of small latency-bound launches that leaves

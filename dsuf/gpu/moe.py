@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .collective import Peers
 from .dense import act_fake_quant, fp4_weight_bf16, fp8_mm, swiglu, swiglu_fp8
 from .linear import BLOCK, CTA_ROWS, MAX_TOKENS, GemmParams, act_quant, choose_splits, launch_fp8, scale_bytes, sm_count
 from .runtime import TensorMap, device_arch, get_kernel, ptr, tensor_map_2d
@@ -261,13 +262,15 @@ class Moe:
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None,
                  xq: tuple[torch.Tensor, torch.Tensor] | None = None, joins: tuple[torch.cuda.Event, ...] = (),
-                 shared: tuple[torch.Tensor, torch.cuda.Event | None] | None = None) -> torch.Tensor:
+                 shared: tuple[torch.Tensor, torch.cuda.Event | None] | None = None, to: Peers | None = None) -> torch.Tensor:
         """x bf16 [T, D]; weights float32 [T, k] and idx [T, k] from the router -> bf16 [T, D].
         xq: x already FP8-quantised (act_quant's (e4m3, scales)), e.g. by the norm that made x.
         shared: the shared expert already queued by shared_alongside where `decodes` (its event
         None: joined already); else it is queued here, beside the routed experts. joins: events of
         other streams' work that the current stream joins where it joins the shared expert's, before
-        the combine (a kernel launched after a join starts only once the joined work has ended)."""
+        the combine (a kernel launched after a join starts only once the joined work has ended).
+        to: a tensor-parallel rank's peers (collective.sender), to whom the combine pushes the
+        output as this rank's part of the all-reduce that follows."""
         t, k = idx.shape
         if not 1 <= k <= 16 or self.routed.dim % 2048:
             raise ValueError(f"Moe: top-k must be 1..16 and D a multiple of 2048, got k={k}, D={self.routed.dim}")
@@ -276,7 +279,7 @@ class Moe:
             y_sorted, row_of, y_shared = self._grouped(x, weights, idx, xq)
             for event in joins:
                 main.wait_event(event)
-            return self._combine(y_sorted, y_shared, idx, out, row_of)
+            return self._combine(y_sorted, y_shared, idx, out, to, row_of)
         xq, sx = xq if xq is not None else act_quant(x)
         y_shared, shared_done = shared if shared is not None else self.shared_alongside(xq, sx)
 
@@ -290,10 +293,10 @@ class Moe:
         for event in (shared_done, *joins):
             if event is not None:
                 main.wait_event(event)
-        return self._combine(y_routed, y_shared, idx, out)
+        return self._combine(y_routed, y_shared, idx, out, to)
 
     def _combine(self, y_routed: torch.Tensor, y_shared: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None,
-                 row_of: torch.Tensor | None = None) -> torch.Tensor:
+                 to: Peers | None, row_of: torch.Tensor | None = None) -> torch.Tensor:
         """Per token, its routed outputs (bf16 [T*k, D]: pair t*k + j at row row_of[pair], int32,
         or at row pair) summed in ascending expert order, then the shared expert's (bf16 [T, D])
         -> bf16 [T, D]."""
@@ -304,7 +307,7 @@ class Moe:
         get_kernel("moe_combine", "moe_combine_bf16", y_shared.device)(
             (self.routed.dim // 2048, t, 1),
             256,
-            [ptr(y_routed), ptr(row_of), ptr(y_shared), ptr(expert), ptr(out), ctypes.c_int(self.routed.dim), ctypes.c_int(k)],
+            [ptr(y_routed), ptr(row_of), ptr(y_shared), ptr(expert), ptr(out), ctypes.c_int(self.routed.dim), ctypes.c_int(k), to or Peers()],
         )
         return out
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_checks import state_tensors
+from test_moe import moe_pair  # noqa: F401 (a fixture)
 from test_model import gpu_logits, rel, small_config
 
 WORLD = 2
@@ -118,18 +119,14 @@ def test_ipc_collectives_give_every_rank_the_rank_ordered_sum_eager_and_in_graph
     print(f"  batch-1 all-reduce (4096 bf16) in a CUDA graph: IPC {ranks[0]['µs']['ipc']:.1f} µs, NCCL {ranks[0]['µs']['nccl']:.1f} µs")
 
 
-def test_ipc_collectives_of_two_ranks_sharing_one_gpu(cuda) -> None:
-    """The same kernels with both ranks on one GPU, a stream each: the rank-ordered sums and the
-    gather, eager and in CUDA graphs replayed with new inputs."""
-    from dsuf.gpu.collective import IpcCollective
-    from dsuf.gpu.mhc import hc_expand
-
-    ranks = IpcCollective.sharing_one_device(WORLD, cuda, 4 << 20)
-    streams = [torch.cuda.Stream(cuda) for _ in ranks]
-    main = torch.cuda.current_stream(cuda)
+def _streams_of(ranks: list) -> tuple[list[torch.cuda.Stream], object]:
+    """Ranks sharing one GPU: a stream each, and on_each(call), which runs call(rank, its
+    collective) on the rank's stream, every rank's launched before any ends (after what the
+    current stream has queued, which then waits for them all)."""
+    device = ranks[0].device
+    streams, main = [torch.cuda.Stream(device) for _ in ranks], torch.cuda.current_stream(device)
 
     def on_each(call) -> list:
-        """call(rank, its collective) on the rank's stream, every rank's launched before any ends."""
         outs = []
         for r, (coll, stream) in enumerate(zip(ranks, streams)):
             stream.wait_stream(main)
@@ -138,6 +135,18 @@ def test_ipc_collectives_of_two_ranks_sharing_one_gpu(cuda) -> None:
         for stream in streams:
             main.wait_stream(stream)
         return outs
+
+    return streams, on_each
+
+
+def test_ipc_collectives_of_two_ranks_sharing_one_gpu(cuda) -> None:
+    """The same kernels with both ranks on one GPU, a stream each: the rank-ordered sums and the
+    gather, eager and in CUDA graphs replayed with new inputs."""
+    from dsuf.gpu.collective import IpcCollective
+    from dsuf.gpu.mhc import hc_expand
+
+    ranks = IpcCollective.sharing_one_device(WORLD, cuda, 4 << 20)
+    streams, on_each = _streams_of(ranks)
 
     for rows in (1, 8, 64, 512):
         xs = [(torch.randn(rows, 4096, device=cuda) * 4).bfloat16() for _ in ranks]
@@ -173,18 +182,7 @@ def test_ipc_collectives_take_any_bits_and_any_sequence_of_sizes(cuda) -> None:
     from dsuf.gpu.collective import EMPTY, IpcCollective
 
     ranks = IpcCollective.sharing_one_device(WORLD, cuda, 1 << 20)
-    streams = [torch.cuda.Stream(cuda) for _ in ranks]
-    main = torch.cuda.current_stream(cuda)
-
-    def on_each(call) -> list:
-        outs = []
-        for r, (coll, stream) in enumerate(zip(ranks, streams)):
-            stream.wait_stream(main)
-            with torch.cuda.stream(stream):
-                outs.append(call(r, coll))
-        for stream in streams:
-            main.wait_stream(stream)
-        return outs
+    streams, on_each = _streams_of(ranks)
 
     words = torch.full((4, 2048), EMPTY - (1 << 32), dtype=torch.int32, device=cuda)  # EMPTY as int32's bits
     zeros = [words.view(torch.bfloat16), (torch.randn(4, 4096, device=cuda) * 4).bfloat16()]
@@ -209,6 +207,33 @@ def test_ipc_collectives_take_any_bits_and_any_sequence_of_sizes(cuda) -> None:
         for call in range(len(sizes)):
             want = _sum([xs[r][call] for r in range(WORLD)])
             assert all(torch.equal(outs[r][call], want) for r in range(WORLD))
+
+
+def test_the_moe_pushes_its_output_and_the_all_reduce_only_sums_it(cuda, moe_pair) -> None:
+    """The MoE's combine, given the peers (collective.sender), pushes its output to them as it
+    writes it, and the all-reduce that follows (pushed) only waits for the peers' parts: the same
+    output, sum and streams as without the push. A message larger than the inbox's slot gets no
+    peers."""
+    from dsuf.gpu.collective import IpcCollective
+    from dsuf.gpu.mhc import hc_expand
+    from gpu_checks import random_activations
+    from test_moe import D
+
+    kernel, moe = moe_pair
+    ranks = IpcCollective.sharing_one_device(WORLD, cuda, 1 << 20)
+    _, on_each = _streams_of(ranks)
+    for tokens in (1, 8):
+        xs = [random_activations(tokens, D, cuda) for _ in ranks]
+        routes = [moe.route(x, None) for x in xs]
+        unpushed = [kernel(x, *route) for x, route in zip(xs, routes)]
+        # The ranks' MoEs one after the other on this stream: a push waits for nobody.
+        parts = [kernel(x, *route, to=coll.sender(tokens * D * 2)) for x, route, coll in zip(xs, routes, ranks)]
+        streams_x = torch.randn(tokens, 4, D, device=cuda).bfloat16()
+        post, comb = torch.rand(tokens, 4, device=cuda) * 2, torch.rand(tokens, 4, 4, device=cuda)
+        total = _sum(unpushed)
+        for part, want, (got, fused) in zip(parts, unpushed, on_each(lambda r, coll: coll.all_reduce_expand(parts[r], streams_x, post, comb, pushed=True))):
+            assert torch.equal(part, want) and torch.equal(got, total) and torch.equal(fused, hc_expand(total, streams_x, post, comb))
+    assert ranks[0].sender(1 << 20) is not None and ranks[0].sender((1 << 20) + 16) is None
 
 
 SEED, PROMPT, DECODE = 7, 600, 6  # a prompt for the prefill path (dense GEMMs, NCCL for its all-reduces)
