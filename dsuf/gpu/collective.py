@@ -24,12 +24,11 @@ import torch
 import torch.distributed as dist
 
 from .mhc import HC_N, hc_expand
+from .peers import EMPTY, MAX_RANKS, Peers
 from .runtime import _check, _driver, get_kernel
 
-MAX_RANKS = 8
 CTAS = 32  # mirror of collective.cu
 THREADS = 128
-EMPTY = 0x80008000  # an inbox word not yet written
 HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
 BULK_BYTES = 1 << 20  # from here an all-reduce goes to NCCL (a prompt chunk of 128 rows and more)
 
@@ -64,18 +63,6 @@ class Collective(Protocol):
         it to the peers itself (peers.cuh's send_vec): the peers to give it, or None (nothing to
         push, or a message that does not go through the IPC kernels)."""
         ...
-
-
-class Peers(ctypes.Structure):
-    """kernels_cu/peers.cuh's Peers; zeroed (world 0): nowhere to push."""
-
-    _fields_ = [
-        ("inbox", ctypes.c_void_p * MAX_RANKS),
-        ("epoch", ctypes.c_void_p),
-        ("slot_bytes", ctypes.c_int64),
-        ("rank", ctypes.c_int),
-        ("world", ctypes.c_int),
-    ]
 
 
 class _CollParams(ctypes.Structure):

@@ -33,7 +33,6 @@ from dsuf.model.config import ModelConfig
 from dsuf.model.layers import Rope
 
 from .attention import new_pool, pack_kv, sparse_attention
-from .collective import Peers
 from .compressor import compress_chunk, compress_decode
 from .gemv import bf16_gemv, bf16_gemv_takes, fp8_grouped_gemv
 from .indexer import INDEX_ENTRY_BYTES, index_query_fp4, index_scores, topk_indices
@@ -41,6 +40,7 @@ from .linear import Fp8Linear
 from .mhc import HcSite, hc_expand
 from .moe import Fp4Experts, Fp8Expert, Moe
 from .norm import rms_norm, rms_norm_fp8
+from .peers import Peers
 from .router import Router
 from .runtime import get_kernel
 from .tp import TensorParallel

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .collective import Peers
 from .dense import act_fake_quant, fp4_weight_bf16, fp8_mm, swiglu, swiglu_fp8
 from .linear import BLOCK, CTA_ROWS, MAX_TOKENS, GemmParams, act_quant, choose_splits, launch_fp8, scale_bytes, sm_count
+from .peers import Peers
 from .runtime import TensorMap, device_arch, get_kernel, ptr, tensor_map_2d
 
 FP4_BLOCK = 32  # elements per E8M0 scale of an FP4 expert weight

@@ -179,7 +179,8 @@ def test_ipc_collectives_take_any_bits_and_any_sequence_of_sizes(cuda) -> None:
     bits (bf16 pairs of -0.0, the float32 -2^-134) still arrive, as zeros of the same value, and a
     graph of calls whose sizes change from call to call (each slot's vectors emptied by its reader
     for the call after next) gives every call's sum, replay after replay."""
-    from dsuf.gpu.collective import EMPTY, IpcCollective
+    from dsuf.gpu.collective import IpcCollective
+    from dsuf.gpu.peers import EMPTY
 
     ranks = IpcCollective.sharing_one_device(WORLD, cuda, 1 << 20)
     streams, on_each = _streams_of(ranks)
