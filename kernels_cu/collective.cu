@@ -54,15 +54,13 @@ DSUF_DEVICE u64 global_ns() {
   return t;
 }
 
-// The call's epoch for this CTA (1, 2, ... per CTA; shared by all its threads).
-DSUF_DEVICE u32 begin_call(const Peers& P) {
-  __shared__ u32 epoch;
-  if (threadIdx.x == 0) epoch = P.epoch[blockIdx.x] + 1;
-  __syncthreads();
-  return epoch;
-}
+// The call's epoch for this CTA (1, 2, ... per CTA): every thread loads it, so that the load is in
+// flight with the input's instead of before it.
+DSUF_DEVICE u32 begin_call(const Peers& P) { return P.epoch[blockIdx.x] + 1; }
 
+// Once every thread of the CTA has read the epoch, the next call's is stored.
 DSUF_DEVICE void end_call(const Peers& P, u32 epoch) {
+  __syncthreads();
   if (threadIdx.x == 0) P.epoch[blockIdx.x] = epoch;
 }
 
