@@ -120,7 +120,7 @@ class IpcCollective:
         torch.zeros(1, device=device)  # the primary context, current on this thread
         self.epoch = torch.zeros(CTAS, dtype=torch.int32, device=device)
 
-    def _buffers(self):
+    def _buffers(self) -> object:
         """This rank's inbox, every word EMPTY. Held for the process's life: the driver frees it,
         and unmaps the peers', at exit."""
         nbytes = 2 * self.world * self.slot_bytes
@@ -239,9 +239,9 @@ class AbsentPeers:
     real rank's share of every step, and the collectives' communication is left out. With `local`
     (an IpcCollective of this rank alone) a step's all-reduces run the IPC kernels as the split
     would, less the peers (no pushes, nothing to wait for): their footprint on the GPU stays in
-    the step's time; messages the split hands to NCCL are left out (a partial sum
-    stands for the sum), as is the logits' all-gather (this rank's slice repeated). Its numbers
-    are not the model's."""
+    the step's time; messages the split hands to NCCL are left out (a partial sum stands for the
+    sum), as is the logits' all-gather (this rank's slice repeated). Its numbers are not the
+    model's."""
 
     def __init__(self, world: int, local: IpcCollective | None = None) -> None:
         self.rank, self.world, self.local = 0, world, local
