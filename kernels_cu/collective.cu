@@ -15,10 +15,10 @@
 //      not drift apart).
 // Slots alternate by call. A peer pushes into slot s again two calls later, which it starts only
 // after its call between has received this rank's part of that call, which this rank pushed (in
-// that call or in its producer) after its kernel of this call had ended (kernels of a rank run in stream order, each one's start
-// waiting for its predecessor's end): by then the vectors read here are empty again. Every call
-// launches exactly CTAS CTAs, each counting its calls in device memory (epochs), so all CTAs
-// agree on the slot, and replays of a captured graph keep counting.
+// that call or in its producer) after its kernel of this call had ended (kernels of a rank run in
+// stream order, each one's start waiting for its predecessor's end): by then the vectors read
+// here are empty again. Every call launches exactly CTAS CTAs, each counting its calls in device
+// memory (epochs), so all CTAs agree on the slot, and replays of a captured graph keep counting.
 #include "mhc.cuh"
 #include "peers.cuh"
 
