@@ -325,6 +325,11 @@ DSUF_DEVICE void st_cluster_f32(u32 addr, u32 rank, float v) {
   asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(cluster_addr(addr, rank)), "f"(v) : "memory");
 }
 
+// A double into shared memory at an address of CTA `rank` of the cluster.
+DSUF_DEVICE void st_cluster_f64(u32 addr, u32 rank, double v) {
+  asm volatile("st.shared::cluster.f64 [%0], %1;" ::"r"(cluster_addr(addr, rank)), "d"(v) : "memory");
+}
+
 // ---- warpgroup mma (sm_90a only: Blackwell has none) ----
 
 // Shared-memory matrix descriptor without swizzle: the start address, LBO (bytes between core

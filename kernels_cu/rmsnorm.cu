@@ -57,12 +57,16 @@ DSUF_DEVICE void load_row(const u16* __restrict__ x, int D, RowIn<N>& in) {
 }
 
 // pre: the row's N collapse coefficients (N > 0); cos_t / sin_t [positions, 32] or null (no
-// rotation); row r is at position r / per_pos.
+// rotation); row r is at position r / per_pos. parts > 1 (TPR = 256, at most 4, D / parts a multiple
+// of 128): the CTAs of ranks 0 .. parts - 1 of a cluster share the row, rank `part` taking its
+// part-th range of D; their sums of squares meet in every one's shared memory and add up in rank order.
 template <int N, int TPR = 256>
 DSUF_DEVICE void norm_row(const RowIn<N>& in, const float* __restrict__ pre, const float* __restrict__ w, u16* __restrict__ out,
                           u8* __restrict__ xq, float* __restrict__ sx, int D, float eps,
-                          const float* __restrict__ cos_t = nullptr, const float* __restrict__ sin_t = nullptr, int per_pos = 1) {
-  __shared__ double partial[8];
+                          const float* __restrict__ cos_t = nullptr, const float* __restrict__ sin_t = nullptr, int per_pos = 1,
+                          int part = 0, int parts = 1) {
+  __shared__ double partial[8], shares[4];
+  const int lo = part * (D / parts), hi = lo + D / parts;
   const int row = row_of_thread<TPR>();
   float y[VPT][8];
   double ss = 0.0;
@@ -70,6 +74,7 @@ DSUF_DEVICE void norm_row(const RowIn<N>& in, const float* __restrict__ pre, con
   for (int v = 0; v < VPT; ++v) {
     const int d = (threadIdx.x % TPR + v * TPR) * 8;
     if (d >= D) break;
+    if (d < lo || d >= hi) continue;
     if (N > 0) {
       double s[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
 #pragma unroll
@@ -103,6 +108,12 @@ DSUF_DEVICE void norm_row(const RowIn<N>& in, const float* __restrict__ pre, con
     total = 0.0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) total += partial[i];
+    if (parts > 1) {
+      if (threadIdx.x < parts) st_cluster_f64(smem_addr(&shares[part]), threadIdx.x, total);
+      cluster_sync();
+      total = 0.0;
+      for (int q = 0; q < parts; ++q) total += shares[q];
+    }
   }
   const float r = (float)(1.0 / sqrt(total / D + (double)eps));
 
@@ -110,6 +121,7 @@ DSUF_DEVICE void norm_row(const RowIn<N>& in, const float* __restrict__ pre, con
   for (int v = 0; v < VPT; ++v) {
     const int d = (threadIdx.x % TPR + v * TPR) * 8;
     if (d >= D) break;
+    if (d < lo || d >= hi) continue;
     u32 o[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -224,14 +236,16 @@ extern "C" __global__ void __cluster_dims__(1, HC_N, 1) __launch_bounds__(256) h
     for (int i = 0; i < HC_N; ++i) hc_mix_add8(in.raw[v][i], fs + i * D + d, dot, sq);
   }
   const float m = hc_mix_total(dot, sq, part, len, mix_eps);
-  if (threadIdx.x == 0) {
-    mix[(i64)tok * HC_MIXES + r] = m;
-    if (r < HC_N) st_cluster_f32(smem_addr(&pre_mix[r]), 0, m);
-  }
+  if (threadIdx.x == 0) mix[(i64)tok * HC_MIXES + r] = m;
+  const float m0 = __shfl_sync(0xffffffffu, m, 0);  // thread 0's mix for lanes 1-3 (warp 0)
+  if (r < HC_N && threadIdx.x < HC_N) st_cluster_f32(smem_addr(&pre_mix[r]), threadIdx.x, m0);
   if (r >= HC_N) return;  // (whole clusters: those of rows 4 and up never synchronise)
-  cluster_sync();         // pre_mix is complete in rank 0, and no CTA writes it again
-  if (r != 0) return;
+  cluster_sync();         // pre_mix is complete in every rank, and no CTA writes it again
+  // The block input: a quarter of D by each CTA of the cluster (the float64 collapse is what bounds
+  // one CTA), or all of it by rank 0 where D does not split into quarters of 128-blocks.
+  const int parts = D % (HC_N * 128) ? 1 : HC_N;
+  if (r >= parts) return;
   if (threadIdx.x < HC_N) pre[threadIdx.x] = hc_pre_value(pre_mix[threadIdx.x], scale[0], base[threadIdx.x], hc_eps);
   __syncthreads();
-  norm_row(in, pre, w, out, xq, sx, D, eps);
+  norm_row(in, pre, w, out, xq, sx, D, eps, nullptr, nullptr, 1, r, parts);
 }
