@@ -49,6 +49,26 @@ DSUF_DEVICE float hc_mix_total(double dot, double sq, double (&part)[2][WARPS], 
   return __fmul_rn((float)d, (float)(1.0 / sqrt(s / len + eps)));
 }
 
+// hc_mix_total's sums without the mix, to thread 0 (the others get 0), and the mix from sums:
+// for a mix whose sums are made by more than one CTA (rmsnorm.cu's hc_block_input_split_bf16).
+template <int WARPS>
+DSUF_DEVICE double2 hc_mix_sums(double dot, double sq, double (&part)[2][WARPS]) {
+  dot = warp_sum(dot);
+  sq = warp_sum(sq);
+  if ((threadIdx.x & 31) == 0) {
+    part[0][threadIdx.x >> 5] = dot;
+    part[1][threadIdx.x >> 5] = sq;
+  }
+  __syncthreads();
+  double d = 0.0, s = 0.0;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < WARPS; ++w) d += part[0][w], s += part[1][w];
+  }
+  return make_double2(d, s);
+}
+
+DSUF_DEVICE float hc_mix_value(double dot, double sq, int len, double eps) { return __fmul_rn((float)dot, (float)(1.0 / sqrt(sq / len + eps))); }
+
 DSUF_DEVICE void hc_expand8(const float o[8], const u16* __restrict__ x, const float* __restrict__ post,
                             const float* __restrict__ comb, u16* __restrict__ y, int tok, int d, int D) {
   float cm[HC_N][HC_N], pk[HC_N];

@@ -57,7 +57,7 @@ DSUF_DEVICE void load_row(const u16* __restrict__ x, int D, RowIn<N>& in) {
 }
 
 // pre: the row's N collapse coefficients (N > 0); cos_t / sin_t [positions, 32] or null (no
-// rotation); row r is at position r / per_pos. parts > 1 (TPR = 256, at most 4, D / parts a multiple
+// rotation); row r is at position r / per_pos. parts > 1 (TPR = 256, at most 8, D / parts a multiple
 // of 128): the CTAs of ranks 0 .. parts - 1 of a cluster share the row, rank `part` taking its
 // part-th range of D; their sums of squares meet in every one's shared memory and add up in rank order.
 template <int N, int TPR = 256>
@@ -65,7 +65,7 @@ DSUF_DEVICE void norm_row(const RowIn<N>& in, const float* __restrict__ pre, con
                           u8* __restrict__ xq, float* __restrict__ sx, int D, float eps,
                           const float* __restrict__ cos_t = nullptr, const float* __restrict__ sin_t = nullptr, int per_pos = 1,
                           int part = 0, int parts = 1) {
-  __shared__ double partial[8], shares[4];
+  __shared__ double partial[8], shares[8];
   const int lo = part * (D / parts), hi = lo + D / parts;
   const int row = row_of_thread<TPR>();
   float y[VPT][8];
@@ -248,4 +248,57 @@ extern "C" __global__ void __cluster_dims__(1, HC_N, 1) __launch_bounds__(256) h
   if (threadIdx.x < HC_N) pre[threadIdx.x] = hc_pre_value(pre_mix[threadIdx.x], scale[0], base[threadIdx.x], hc_eps);
   __syncthreads();
   norm_row(in, pre, w, out, xq, sx, D, eps, nullptr, nullptr, 1, r, parts);
+}
+
+// Up to HC_SPLIT_TOKENS (norm.py) tokens, hc_block_input_bf16 with two CTAs a mix row: grid
+// (T, 2 rows), clusters of 8 CTAs along y, rank j + 4 h: row 4c + j over streams 2h, 2h + 1 (its half
+// of the row of fn in shared memory); the second half's sums go to the first's CTA through
+// distributed shared memory and add up in half order; the mixes of rows 0..3 go to all 8 CTAs of
+// cluster (t, 0), which each collapse and norm an eighth of D. (The one-share case stays its own
+// kernel above: written as this kernel's template it made batch 8 slower, BENCHMARKS milestone 30.)
+extern "C" __global__ void __cluster_dims__(1, 2 * HC_N, 1) __launch_bounds__(256) hc_block_input_split_bf16(
+    const u16* x, const float* fn, float* mix, const float* scale, const float* base, float hc_eps, const float* w, u16* out,
+    u8* xq, float* sx, int D, float eps, double mix_eps) {
+  constexpr int CLUSTER = 2 * HC_N, SN = HC_N / 2;  // CTAs a cluster, streams a CTA's half
+  extern __shared__ __align__(16) float fs[];          // the CTA's half of its row of fn [SN * D]
+  __shared__ u64 bar;
+  __shared__ double part[2][8], other[2];
+  __shared__ float pre_mix[HC_N], pre[HC_N];
+  const int tok = blockIdx.x, rank = blockIdx.y % CLUSTER, h = rank / HC_N, j = rank % HC_N;
+  const int r = blockIdx.y / CLUSTER * HC_N + j, len = SN * D;
+  if (threadIdx.x == 0) {
+    mbar_init(&bar);
+    mbar_expect_bytes(&bar, len * 4);
+    bulk_stream(fs, fn + ((i64)r * HC_N + h * SN) * D, len * 4, &bar);
+  }
+  pdl_begin();
+  RowIn<HC_N> in;
+  load_row(x, D, in);
+  __syncthreads();  // the barrier's initialisation is visible to every thread
+  mbar_wait(&bar, 0);
+  double dot = 0.0, sq = 0.0;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int d = (threadIdx.x + v * 256) * 8;
+    if (d >= D) break;
+#pragma unroll
+    for (int i = 0; i < SN; ++i) hc_mix_add8(h ? in.raw[v][i + SN] : in.raw[v][i], fs + i * D + d, dot, sq);  // (no dynamic index: registers)
+  }
+  double2 sums = hc_mix_sums(dot, sq, part);
+  if (h == 1 && threadIdx.x == 0) {
+    st_cluster_f64(smem_addr(&other[0]), j, sums.x);
+    st_cluster_f64(smem_addr(&other[1]), j, sums.y);
+  }
+  cluster_sync();
+  const float m = h == 0 && threadIdx.x == 0 ? hc_mix_value(sums.x + other[0], sums.y + other[1], HC_N * D, mix_eps) : 0.0f;
+  if (h == 0 && threadIdx.x == 0) mix[(i64)tok * HC_MIXES + r] = m;
+  const float m0 = __shfl_sync(0xffffffffu, m, 0);  // thread 0's mix for the lanes that send it (warp 0)
+  if (r < HC_N && h == 0 && threadIdx.x < CLUSTER) st_cluster_f32(smem_addr(&pre_mix[r]), threadIdx.x, m0);
+  if (r >= HC_N) return;  // (whole clusters: those of rows 4 and up synchronise no further)
+  cluster_sync();         // pre_mix is complete in every rank, and no CTA writes it again
+  const int parts = D % (CLUSTER * 128) ? 1 : CLUSTER;
+  if (rank >= parts) return;
+  if (threadIdx.x < HC_N) pre[threadIdx.x] = hc_pre_value(pre_mix[threadIdx.x], scale[0], base[threadIdx.x], hc_eps);
+  __syncthreads();
+  norm_row(in, pre, w, out, xq, sx, D, eps, nullptr, nullptr, 1, rank, parts);
 }

@@ -17,6 +17,7 @@ HC_STREAMS = 4  # the mHC streams the collapse kernels take (HC_N in mhc.cuh)
 WARP_ROW_DIM = 1024  # rows this short (8 elements a lane, 4 passes) can take a warp each ...
 WARP_ROWS_MIN = 2048  # ... and do, from this many rows (a prompt chunk's per-head norms): 8 rows a CTA
 HC_FUSED_TOKENS = 8  # hc_block_input's most tokens: a CTA a token and mix row, each with its row of fn
+HC_SPLIT_TOKENS = 4  # up to here two CTAs a mix row, each with half of it (48 CTAs a token: the SMs are there)
 
 
 def _rows_launch(name: str, rows: int, d: int, device: torch.device, args: list) -> None:
@@ -144,7 +145,8 @@ def hc_block_input(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
     (hc_pre_collapse_rms_norm's output, the mixes float32 [T, 24] of the site fn float32 [24, 4·D]
     with the mixes' own eps), as the site's mixes kernel followed by hc_pre_collapse_rms_norm.
     With fn [4, 4·D], the head's HyperHead (pre only: v4.HyperHead, then the final norm), for any
-    number of tokens; the mixes' first 4 columns are made."""
+    number of tokens; the mixes' first 4 columns are made. Up to HC_SPLIT_TOKENS tokens each mix is
+    summed by two CTAs, each over two of the streams."""
     t, n, d = x.shape
     rows = fn.shape[0]
     head = rows == HC_STREAMS
@@ -155,11 +157,12 @@ def hc_block_input(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base:
     _check_dim(d)
     out = torch.empty((t, d), dtype=torch.bfloat16, device=x.device)
     mix = torch.empty((t, 24), dtype=torch.float32, device=x.device)
-    get_kernel("rmsnorm", "hc_block_input_bf16", x.device)(
-        (t, rows, 1),
+    split = 2 if t <= HC_SPLIT_TOKENS else 1
+    get_kernel("rmsnorm", "hc_block_input_split_bf16" if split > 1 else "hc_block_input_bf16", x.device)(
+        (t, rows * split, 1),
         256,
         [ptr(x), ptr(fn), ptr(mix), ptr(scale), ptr(base), ctypes.c_float(hc_eps), ptr(_weight(weight, d)), ptr(out), *_fp8_ptrs(fp8_out, t, d),
          ctypes.c_int(d), ctypes.c_float(eps), ctypes.c_double(mix_eps)],
-        shared=fn.shape[1] * 4,
+        shared=fn.shape[1] * 4 // split,
     )
     return out, mix
