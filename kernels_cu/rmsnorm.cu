@@ -254,8 +254,8 @@ extern "C" __global__ void __cluster_dims__(1, HC_N, 1) __launch_bounds__(256) h
 // (T, 2 rows), clusters of 8 CTAs along y, rank j + 4 h: row 4c + j over streams 2h, 2h + 1 (its half
 // of the row of fn in shared memory); the second half's sums go to the first's CTA through
 // distributed shared memory and add up in half order; the mixes of rows 0..3 go to all 8 CTAs of
-// cluster (t, 0), which each collapse and norm an eighth of D. (The one-share case stays its own
-// kernel above: written as this kernel's template it made batch 8 slower, BENCHMARKS milestone 30.)
+// cluster (t, 0), which each collapse and norm an eighth of D. (Its own kernel, as measured; both
+// written as one template measured the same at batch 1, BENCHMARKS milestone 30: to be merged.)
 extern "C" __global__ void __cluster_dims__(1, 2 * HC_N, 1) __launch_bounds__(256) hc_block_input_split_bf16(
     const u16* x, const float* fn, float* mix, const float* scale, const float* base, float hc_eps, const float* w, u16* out,
     u8* xq, float* sx, int D, float eps, double mix_eps) {
