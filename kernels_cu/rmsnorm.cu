@@ -205,8 +205,9 @@ extern "C" __global__ void __launch_bounds__(256) hc_pre_collapse_rmsnorm_bf16(
 // of HC_N CTAs along y, so cluster (t, 0) holds the rows of pre. CTA (t, r) computes mix r of token
 // t as mhc.cu's hc_mixes does (its row of fn brought into shared memory by the copy engine before
 // the PDL wait; float64 sums), from the token's streams, which it keeps in registers (load_row);
-// the CTAs of rows 0..3 hand their mixes to rank 0 of their cluster through distributed shared
-// memory, and rank 0 forms pre and the block input from the same registers (norm_row). Every
+// the CTAs of rows 0..3 hand their mixes to each other through distributed shared memory, and
+// each forms pre and a quarter of the block input from the same registers (norm_row over the
+// cluster: the float64 collapse is what bounds a CTA). Every
 // mix is written out for the Sinkhorn (hc_coefficients), which makes post and comb meanwhile.
 // This is hc_mixes followed by hc_pre_collapse_rmsnorm_bf16 without the second launch's latency.
 extern "C" __global__ void __cluster_dims__(1, HC_N, 1) __launch_bounds__(256) hc_block_input_bf16(
