@@ -32,25 +32,8 @@ DSUF_DEVICE void hc_mix_add8(const uint4& x, const float* f, double& dot, double
   }
 }
 
-// ... then the CTA's sums (part: WARPS x 2 doubles of shared memory) and the mix, f32(dot) *
-// f32(1 / sqrt(mean + eps)) over len values, returned to thread 0 (the others get 0).
-template <int WARPS>
-DSUF_DEVICE float hc_mix_total(double dot, double sq, double (&part)[2][WARPS], int len, double eps) {
-  dot = warp_sum(dot);
-  sq = warp_sum(sq);
-  if ((threadIdx.x & 31) == 0) {
-    part[0][threadIdx.x >> 5] = dot;
-    part[1][threadIdx.x >> 5] = sq;
-  }
-  __syncthreads();
-  if (threadIdx.x) return 0.0f;
-  double d = 0.0, s = 0.0;
-  for (int w = 0; w < WARPS; ++w) d += part[0][w], s += part[1][w];
-  return __fmul_rn((float)d, (float)(1.0 / sqrt(s / len + eps)));
-}
-
-// hc_mix_total's sums without the mix, to thread 0 (the others get 0), and the mix from sums:
-// for a mix whose sums are made by more than one CTA (rmsnorm.cu's hc_block_input_split_bf16).
+// ... then the CTA's sums (part: WARPS x 2 doubles of shared memory), returned to thread 0 (the
+// others get 0) ...
 template <int WARPS>
 DSUF_DEVICE double2 hc_mix_sums(double dot, double sq, double (&part)[2][WARPS]) {
   dot = warp_sum(dot);
@@ -67,7 +50,15 @@ DSUF_DEVICE double2 hc_mix_sums(double dot, double sq, double (&part)[2][WARPS])
   return make_double2(d, s);
 }
 
+// ... and the mix from the sums over len values: f32(dot) * f32(1 / sqrt(mean + eps)).
 DSUF_DEVICE float hc_mix_value(double dot, double sq, int len, double eps) { return __fmul_rn((float)dot, (float)(1.0 / sqrt(sq / len + eps))); }
+
+// hc_mix_sums and hc_mix_value in one: the mix to thread 0 (the others get 0).
+template <int WARPS>
+DSUF_DEVICE float hc_mix_total(double dot, double sq, double (&part)[2][WARPS], int len, double eps) {
+  const double2 sums = hc_mix_sums(dot, sq, part);
+  return threadIdx.x ? 0.0f : hc_mix_value(sums.x, sums.y, len, eps);
+}
 
 DSUF_DEVICE void hc_expand8(const float o[8], const u16* __restrict__ x, const float* __restrict__ post,
                             const float* __restrict__ comb, u16* __restrict__ y, int tok, int d, int D) {

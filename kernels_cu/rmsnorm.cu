@@ -201,67 +201,23 @@ extern "C" __global__ void __launch_bounds__(256) hc_pre_collapse_rmsnorm_bf16(
   norm_row(in, pre, w, out, xq, sx, D, eps);
 }
 
-// A decode site's block input in one launch (tokens <= 8, D <= 8192): grid (T, HC_MIXES), clusters
-// of HC_N CTAs along y, so cluster (t, 0) holds the rows of pre. CTA (t, r) computes mix r of token
-// t as mhc.cu's hc_mixes does (its row of fn brought into shared memory by the copy engine before
-// the PDL wait; float64 sums), from the token's streams, which it keeps in registers (load_row);
-// the CTAs of rows 0..3 hand their mixes to each other through distributed shared memory, and
-// each forms pre and a quarter of the block input from the same registers (norm_row over the
-// cluster: the float64 collapse is what bounds a CTA). Every
-// mix is written out for the Sinkhorn (hc_coefficients), which makes post and comb meanwhile.
-// This is hc_mixes followed by hc_pre_collapse_rmsnorm_bf16 without the second launch's latency.
-extern "C" __global__ void __cluster_dims__(1, HC_N, 1) __launch_bounds__(256) hc_block_input_bf16(
-    const u16* x, const float* fn, float* mix, const float* scale, const float* base, float hc_eps, const float* w, u16* out,
-    u8* xq, float* sx, int D, float eps, double mix_eps) {
-  extern __shared__ __align__(16) float fs[];  // the CTA's row of fn [n * D]
-  __shared__ u64 bar;
-  __shared__ double part[2][8];
-  __shared__ float pre_mix[HC_N], pre[HC_N];
-  const int tok = blockIdx.x, r = blockIdx.y, len = HC_N * D;
-  if (threadIdx.x == 0) {
-    mbar_init(&bar);
-    mbar_expect_bytes(&bar, len * 4);
-    bulk_stream(fs, fn + (i64)r * len, len * 4, &bar);
-  }
-  pdl_begin();
-  RowIn<HC_N> in;
-  load_row(x, D, in);
-  __syncthreads();  // the barrier's initialisation is visible to every thread
-  mbar_wait(&bar, 0);
-  double dot = 0.0, sq = 0.0;
-#pragma unroll
-  for (int v = 0; v < VPT; ++v) {
-    const int d = (threadIdx.x + v * 256) * 8;
-    if (d >= D) break;
-#pragma unroll
-    for (int i = 0; i < HC_N; ++i) hc_mix_add8(in.raw[v][i], fs + i * D + d, dot, sq);
-  }
-  const float m = hc_mix_total(dot, sq, part, len, mix_eps);
-  if (threadIdx.x == 0) mix[(i64)tok * HC_MIXES + r] = m;
-  const float m0 = __shfl_sync(0xffffffffu, m, 0);  // thread 0's mix for lanes 1-3 (warp 0)
-  if (r < HC_N && threadIdx.x < HC_N) st_cluster_f32(smem_addr(&pre_mix[r]), threadIdx.x, m0);
-  if (r >= HC_N) return;  // (whole clusters: those of rows 4 and up never synchronise)
-  cluster_sync();         // pre_mix is complete in every rank, and no CTA writes it again
-  // The block input: a quarter of D by each CTA of the cluster (the float64 collapse is what bounds
-  // one CTA), or all of it by rank 0 where D does not split into quarters of 128-blocks.
-  const int parts = D % (HC_N * 128) ? 1 : HC_N;
-  if (r >= parts) return;
-  if (threadIdx.x < HC_N) pre[threadIdx.x] = hc_pre_value(pre_mix[threadIdx.x], scale[0], base[threadIdx.x], hc_eps);
-  __syncthreads();
-  norm_row(in, pre, w, out, xq, sx, D, eps, nullptr, nullptr, 1, r, parts);
-}
-
-// Up to HC_SPLIT_TOKENS (norm.py) tokens, hc_block_input_bf16 with two CTAs a mix row: grid
-// (T, 2 rows), clusters of 8 CTAs along y, rank j + 4 h: row 4c + j over streams 2h, 2h + 1 (its half
-// of the row of fn in shared memory); the second half's sums go to the first's CTA through
-// distributed shared memory and add up in half order; the mixes of rows 0..3 go to all 8 CTAs of
-// cluster (t, 0), which each collapse and norm an eighth of D. (Its own kernel, as measured; both
-// written as one template measured the same at batch 1, BENCHMARKS milestone 30: to be merged.)
-extern "C" __global__ void __cluster_dims__(1, 2 * HC_N, 1) __launch_bounds__(256) hc_block_input_split_bf16(
-    const u16* x, const float* fn, float* mix, const float* scale, const float* base, float hc_eps, const float* w, u16* out,
-    u8* xq, float* sx, int D, float eps, double mix_eps) {
-  constexpr int CLUSTER = 2 * HC_N, SN = HC_N / 2;  // CTAs a cluster, streams a CTA's half
-  extern __shared__ __align__(16) float fs[];          // the CTA's half of its row of fn [SN * D]
+// A decode site's block input in one launch (tokens <= 8, D <= 8192): grid (T, rows * S), clusters
+// of HC_N * S CTAs along y: rows 4c .. 4c + 3 of fn, each by S CTAs (rank j + HC_N h: row 4c + j,
+// streams [h n / S, (h + 1) n / S) of its K), so cluster (t, 0) holds the rows of pre. A CTA sums
+// its share of a mix as mhc.cu's hc_mixes does (its share of the row of fn brought into shared
+// memory by the copy engine before the PDL wait; float64 sums) from the token's streams, which it
+// keeps in registers (load_row); with S = 2 the second share meets the first in its CTA through
+// distributed shared memory and they add up in share order. The mixes of rows 0..3 go to every
+// CTA of the cluster, and each forms pre and its part of the block input from the same registers
+// (norm_row over the cluster: the float64 collapse bounds a CTA, so it is spread). Every mix is
+// written out for the Sinkhorn (hc_coefficients), which makes post and comb meanwhile. This is
+// hc_mixes followed by hc_pre_collapse_rmsnorm_bf16 without the second launch's latency. S = 2
+// (hc_block_input_split_bf16) where the SMs would otherwise idle: a few tokens.
+template <int S>
+DSUF_DEVICE void hc_block_input_body(const u16* x, const float* fn, float* mix, const float* scale, const float* base, float hc_eps,
+                                     const float* w, u16* out, u8* xq, float* sx, int D, float eps, double mix_eps) {
+  constexpr int CLUSTER = HC_N * S, SN = HC_N / S;  // CTAs a cluster, streams a CTA's share
+  extern __shared__ __align__(16) float fs[];          // the CTA's share of its row of fn [SN * D]
   __shared__ u64 bar;
   __shared__ double part[2][8], other[2];
   __shared__ float pre_mix[HC_N], pre[HC_N];
@@ -283,23 +239,40 @@ extern "C" __global__ void __cluster_dims__(1, 2 * HC_N, 1) __launch_bounds__(25
     const int d = (threadIdx.x + v * 256) * 8;
     if (d >= D) break;
 #pragma unroll
-    for (int i = 0; i < SN; ++i) hc_mix_add8(h ? in.raw[v][i + SN] : in.raw[v][i], fs + i * D + d, dot, sq);  // (no dynamic index: registers)
+    for (int i = 0; i < SN; ++i) hc_mix_add8(h ? in.raw[v][(i + SN) % HC_N] : in.raw[v][i], fs + i * D + d, dot, sq);  // (no dynamic index: registers)
   }
   double2 sums = hc_mix_sums(dot, sq, part);
-  if (h == 1 && threadIdx.x == 0) {
-    st_cluster_f64(smem_addr(&other[0]), j, sums.x);
-    st_cluster_f64(smem_addr(&other[1]), j, sums.y);
+  if (S > 1) {  // the second share to the first's CTA
+    if (h == 1 && threadIdx.x == 0) {
+      st_cluster_f64(smem_addr(&other[0]), j, sums.x);
+      st_cluster_f64(smem_addr(&other[1]), j, sums.y);
+    }
+    cluster_sync();
+    sums = make_double2(sums.x + other[0], sums.y + other[1]);
   }
-  cluster_sync();
-  const float m = h == 0 && threadIdx.x == 0 ? hc_mix_value(sums.x + other[0], sums.y + other[1], HC_N * D, mix_eps) : 0.0f;
+  const float m = h == 0 && threadIdx.x == 0 ? hc_mix_value(sums.x, sums.y, HC_N * D, mix_eps) : 0.0f;
   if (h == 0 && threadIdx.x == 0) mix[(i64)tok * HC_MIXES + r] = m;
   const float m0 = __shfl_sync(0xffffffffu, m, 0);  // thread 0's mix for the lanes that send it (warp 0)
   if (r < HC_N && h == 0 && threadIdx.x < CLUSTER) st_cluster_f32(smem_addr(&pre_mix[r]), threadIdx.x, m0);
   if (r >= HC_N) return;  // (whole clusters: those of rows 4 and up synchronise no further)
   cluster_sync();         // pre_mix is complete in every rank, and no CTA writes it again
+  // The block input: a part of D by each CTA of the cluster, or all of it by rank 0 where D does
+  // not split into parts of whole 128-blocks.
   const int parts = D % (CLUSTER * 128) ? 1 : CLUSTER;
   if (rank >= parts) return;
   if (threadIdx.x < HC_N) pre[threadIdx.x] = hc_pre_value(pre_mix[threadIdx.x], scale[0], base[threadIdx.x], hc_eps);
   __syncthreads();
   norm_row(in, pre, w, out, xq, sx, D, eps, nullptr, nullptr, 1, rank, parts);
+}
+
+extern "C" __global__ void __cluster_dims__(1, HC_N, 1) __launch_bounds__(256) hc_block_input_bf16(
+    const u16* x, const float* fn, float* mix, const float* scale, const float* base, float hc_eps, const float* w, u16* out,
+    u8* xq, float* sx, int D, float eps, double mix_eps) {
+  hc_block_input_body<1>(x, fn, mix, scale, base, hc_eps, w, out, xq, sx, D, eps, mix_eps);
+}
+
+extern "C" __global__ void __cluster_dims__(1, 2 * HC_N, 1) __launch_bounds__(256) hc_block_input_split_bf16(
+    const u16* x, const float* fn, float* mix, const float* scale, const float* base, float hc_eps, const float* w, u16* out,
+    u8* xq, float* sx, int D, float eps, double mix_eps) {
+  hc_block_input_body<2>(x, fn, mix, scale, base, hc_eps, w, out, xq, sx, D, eps, mix_eps);
 }
