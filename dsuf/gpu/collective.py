@@ -2,7 +2,8 @@
 
 Two implementations of one small interface (`all_reduce`: bf16 partial sums -> their sum on every
 rank; `all_gather`: each rank's float32 columns -> every rank's, side by side), both capturable in
-CUDA graphs:
+CUDA graphs, and, for prompt chunks split by rows over the ranks at the mHC sites (layer.py), a
+reduce-scatter of bf16 partial sums and an all-gather of rows:
 
 - `IpcCollective`: kernels_cu/collective.cu over CUDA IPC peer buffers, one launch a call and no
   NCCL; built for the decode step's small messages, where NCCL's latency (~36 µs an all-reduce
@@ -56,6 +57,16 @@ class Collective(Protocol):
         """A sublayer's partial outputs bf16 [T, D] summed, then the mHC update of the streams x
         bf16 [T, 4, D] with it (mhc.hc_expand): (the sum, the new streams). pushed: the kernel that
         made `partial` pushed it to the peers (given `sender`'s peers)."""
+        ...
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16 partial sums [T, ...], T a multiple of world -> this rank's rows of their sum:
+        [rank·T/world, (rank+1)·T/world)."""
+        ...
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Each rank's rows [T/world, ...] (a multiple of 16 bytes in all) -> [T, ...], rank r's rows
+        at r·T/world."""
         ...
 
     def sender(self, nbytes: int) -> Peers | None:
@@ -206,6 +217,22 @@ class IpcCollective:
         self._launch("all_gather_f32", x, out, n, rows)
         return out
 
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        _check_rows(x, self.world)
+        if self._to_bulk(x.numel() * x.element_size()):
+            return self.bulk.reduce_scatter(x)
+        return self.all_reduce(x).chunk(self.world)[self.rank]  # (small: ranks sharing a GPU in tests)
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        nbytes = x.numel() * x.element_size()
+        if nbytes % 16 or x.dim() < 1:
+            raise ValueError(f"all_gather_rows: need rows of a multiple of 16 bytes in all, got {x.dtype} {tuple(x.shape)}")
+        if self._to_bulk(self.world * nbytes):
+            return self.bulk.all_gather_rows(x)
+        # The kernel gathers float32 columns: the rows' bytes as one row of them, ranks side by side.
+        words = x.contiguous().view(-1).view(torch.uint8).view(torch.float32).view(1, -1)
+        return self.all_gather(words).view(torch.uint8).view(x.dtype).view(self.world * x.shape[0], *x.shape[1:])
+
 
 class NcclCollective:
     """The same interface on torch.distributed's NCCL process group `group`."""
@@ -232,6 +259,17 @@ class NcclCollective:
         out = torch.empty((self.world, rows, n), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
         return out.permute(1, 0, 2).reshape(rows, self.world * n)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        _check_rows(x, self.world)
+        out = torch.empty((x.shape[0] // self.world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group)
+        return out
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((self.world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        return out
 
 
 class AbsentPeers:
@@ -264,3 +302,15 @@ class AbsentPeers:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return x.repeat(1, self.world)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        _check_rows(x, self.world)
+        return x[: x.shape[0] // self.world]
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x.repeat(self.world, *(1,) * (x.dim() - 1))
+
+
+def _check_rows(x: torch.Tensor, world: int) -> None:
+    if x.dtype != torch.bfloat16 or x.dim() < 1 or x.shape[0] % world:
+        raise ValueError(f"reduce_scatter: need bf16 partial sums of a multiple of {world} rows, got {x.dtype} {tuple(x.shape)}")

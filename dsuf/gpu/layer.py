@@ -36,10 +36,10 @@ from .attention import new_pool, pack_kv, sparse_attention
 from .compressor import compress_chunk, compress_decode
 from .gemv import bf16_gemv, bf16_gemv_takes, fp8_grouped_gemv
 from .indexer import INDEX_ENTRY_BYTES, index_query_fp4, index_scores, topk_indices
-from .linear import Fp8Linear
-from .mhc import HcSite, hc_expand
+from .linear import Fp8Linear, act_quant
+from .mhc import BlockInput, HcSite, hc_expand
 from .moe import Fp4Experts, Fp8Expert, Moe
-from .norm import rms_norm, rms_norm_fp8
+from .norm import Fp8Rows, rms_norm, rms_norm_fp8
 from .peers import Peers
 from .router import Router
 from .runtime import get_kernel
@@ -384,10 +384,36 @@ class DecodeLayer:
         (collective.sender), or None."""
         return self.tp.collective.sender(tokens * self.c.dim * 2) if self.tp else None
 
+    def _block_input(self, site: HcSite, b: dict, x: torch.Tensor, norm: torch.Tensor) -> tuple[BlockInput, torch.Tensor, Fp8Rows]:
+        """A site's block input from the streams x, and the block's input y and its FP8 rows for
+        every row of the step: where the step's rows are split over the ranks (b["split"]), this
+        rank's rows gathered with the others' (and quantised once whole)."""
+        if not b.get("split"):
+            own = site.block_input(x, norm, self.c.norm_eps)
+            return own, own.y, own.yq
+        own = site.block_input(x, norm, self.c.norm_eps, fp8=False)
+        y = self.tp.collective.all_gather_rows(own.y)
+        return own, y, act_quant(y)
+
+    def _route(self, b: dict, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts (weights, idx) of the block inputs y: where the rows are split over the
+        ranks (y this rank's), each routes its own and the routes are gathered."""
+        if not b.get("split"):
+            return self.router(y, b["ids"])
+        world, rank = self.tp.world, self.tp.rank
+        weights, idx = self.router(y, b["ids"].view(world, -1)[rank])
+        both = self.tp.collective.all_gather_rows(torch.cat((weights, idx.view(torch.float32)), dim=1))  # one gather
+        k = weights.shape[1]
+        return both[:, :k].contiguous(), both[:, k:].contiguous().view(torch.int32)
+
     def _sum_expand(self, partial: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                    pushed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    pushed: bool = False, split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """A sublayer's output (the ranks' partial outputs summed, in one kernel with the update)
-        and the mHC update of the streams x with it. pushed: partial's kernel pushed it (_sender)."""
+        and the mHC update of the streams x with it. pushed: partial's kernel pushed it (_sender).
+        split: the streams are this rank's share of the rows (b["split"]): the sum of those rows."""
+        if split:
+            own = self.tp.collective.reduce_scatter(partial)
+            return own, hc_expand(own, x, post, comb)
         if self.tp:
             return self.tp.collective.all_reduce_expand(partial, x, post, comb, pushed)
         return partial, hc_expand(partial, x, post, comb)
@@ -395,7 +421,9 @@ class DecodeLayer:
     def stages(self, cache: LayerCache, ix: StepIndex) -> list[Stage]:
         """The decode step of this layer as stages over a buffer dict: reads f"x{layer}" (bf16
         [B, 4, D]), "ids" (int64 [B]), "slots" and "pos" (int64 [B]) and, where rows of one
-        sequence share the step, "runs" (int32, compress_decode's); writes f"x{layer + 1}".
+        sequence share the step, "runs" (int32, compress_decode's); writes f"x{layer + 1}". With
+        "split" true (a prompt chunk split by rows over the ranks, GpuModel._layers), the streams
+        are this rank's share of the rows and everything between the mHC sites sees every row.
         In-place ops touch only tensors made in the same stage (and the caches), so any stage can
         be replayed alone; what a stage leaves running on another stream (the mHC sites'
         Sinkhorn) is marked in the buffer and awaited by a later stage, at the latest by the one
@@ -405,8 +433,8 @@ class DecodeLayer:
         kind = layer_kind(ratio)
 
         def mhc_attn(b: dict) -> None:
-            site = self.hc_attn.block_input(b[f"x{L}"], self.attn_norm, c.norm_eps)
-            b[f"{L}.y"], b[f"{L}.yq"], b[f"{L}.post"], b[f"{L}.comb"] = site.y, site.yq, site.post, site.comb
+            site, b[f"{L}.y"], b[f"{L}.yq"] = self._block_input(self.hc_attn, b, b[f"x{L}"], self.attn_norm)
+            b[f"{L}.post"], b[f"{L}.comb"] = site.post, site.comb
             if site.ready is not None:
                 b[f"{L}.comb{READY}"] = site.ready
 
@@ -451,19 +479,21 @@ class DecodeLayer:
 
         def wo_b_expand(b: dict) -> None:
             wait_for(b, f"{L}.comb{READY}")
-            b[f"{L}.attn"], b[f"{L}.xa"] = self._sum_expand(self.wo_b(b[f"{L}.oa"]), b[f"x{L}"], b[f"{L}.post"], b[f"{L}.comb"])
+            b[f"{L}.attn"], b[f"{L}.xa"] = self._sum_expand(self.wo_b(b[f"{L}.oa"]), b[f"x{L}"], b[f"{L}.post"], b[f"{L}.comb"], split=b.get("split", False))
 
         def mhc_ffn_route(b: dict) -> None:
-            site = self.hc_ffn.block_input(b[f"{L}.xa"], self.ffn_norm, c.norm_eps)
-            b[f"{L}.y2"], b[f"{L}.y2q"], b[f"{L}.post2"], b[f"{L}.comb2"] = site.y, site.yq, site.post, site.comb
+            site, b[f"{L}.y2"], b[f"{L}.y2q"] = self._block_input(self.hc_ffn, b, b[f"{L}.xa"], self.ffn_norm)
+            b[f"{L}.post2"], b[f"{L}.comb2"] = site.post, site.comb
             if site.ready is not None:
                 b[f"{L}.comb2{READY}"] = site.ready
-            scores = self.router.scores(b[f"{L}.y2"])
+            if b.get("split") or not self.moe.decodes(b[f"{L}.y2"].shape[0]):  # a prompt chunk: the MoE runs its shared expert itself
+                b[f"{L}.route"] = self._route(b, site.y)
+                return
+            scores = self.router.scores(site.y)
             # The shared expert needs no routing: queued here it streams its weights beside the
             # selection (one CTA); queued before the scores it slowed them, queued after the
             # selection it ended after the routed w2 (BENCHMARKS milestones 20 and 27).
-            if self.moe.decodes(site.y.shape[0]):
-                b[f"{L}.shared"], b[f"{L}.shared{READY}"] = self.moe.shared_alongside(*site.yq)
+            b[f"{L}.shared"], b[f"{L}.shared{READY}"] = self.moe.shared_alongside(*site.yq)
             b[f"{L}.route"] = self.router.select(scores, b["ids"])
 
         def moe_expand(b: dict) -> None:
@@ -471,9 +501,10 @@ class DecodeLayer:
             # combine: joined here, it would hold the routed gate/up's launch until it ended.
             sinkhorn = b.pop(f"{L}.comb2{READY}", None)
             shared = (b[f"{L}.shared"], b.pop(f"{L}.shared{READY}", None)) if f"{L}.shared" in b else None
-            to = self._sender(b[f"{L}.y2"].shape[0])
+            split = b.get("split", False)
+            to = None if split else self._sender(b[f"{L}.y2"].shape[0])
             moe = self.moe(b[f"{L}.y2"], *b[f"{L}.route"], xq=b[f"{L}.y2q"], joins=(sinkhorn,) if sinkhorn is not None else (), shared=shared, to=to)
-            b[f"{L}.moe"], b[f"x{L + 1}"] = self._sum_expand(moe, b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"], pushed=to is not None)
+            b[f"{L}.moe"], b[f"x{L + 1}"] = self._sum_expand(moe, b[f"{L}.xa"], b[f"{L}.post2"], b[f"{L}.comb2"], pushed=to is not None, split=split)
 
         def attention_inputs(b: dict) -> None:
             # q on this stream; alongside, each a chain of small latency-bound launches that leaves

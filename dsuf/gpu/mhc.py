@@ -3,7 +3,8 @@ coefficients (`layers.HyperConnection.coefficients`), the block input it collaps
 into (`HcSite.block_input`: rms_norm(hc_collapse(x, pre))) and the stream update
 (`layers.hc_expand`), numerically the reference's (float64 sums, float32 rounding where it
 rounds). A prompt chunk's mixes come from hc_chunk_mixes (64 tokens a CTA, on the float64
-tensor cores), which beats the per-token kernel there."""
+tensor cores; a chunk of few tiles, e.g. a rank's share of a split chunk, over clusters of two CTAs
+that share a tile's values), which beats the per-token kernel there."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .dense import DENSE_MIN_ROWS
+from .linear import sm_count
 from .norm import HC_FUSED_TOKENS, Fp8Rows, fp8_rows, hc_block_input, hc_collapse_rms_norm, hc_pre_collapse_rms_norm
 from .runtime import get_kernel, ptr
 
@@ -27,12 +29,12 @@ FUSED_BLOCK_INPUT = True  # decode sites' mixes and block input in one launch (t
 
 @dataclass
 class BlockInput:
-    """A site's block input y bf16 [T, D], y FP8-quantised for the block's FP8 linears (norm.fp8_rows)
-    and its expand coefficients post [T, n], comb [T, n, n]. With `ready`, post and comb are still
-    being computed on another stream: wait on it first."""
+    """A site's block input y bf16 [T, D], y FP8-quantised for the block's FP8 linears (norm.fp8_rows;
+    None where not asked for) and its expand coefficients post [T, n], comb [T, n, n]. With
+    `ready`, post and comb are still being computed on another stream: wait on it first."""
 
     y: torch.Tensor
-    yq: Fp8Rows
+    yq: Fp8Rows | None
     post: torch.Tensor
     comb: torch.Tensor
     ready: torch.cuda.Event | None = None
@@ -87,8 +89,10 @@ class HcSite:
         if n * d % CHUNK_MIX_VALUES:
             raise ValueError(f"hc_chunk_mixes: n * D must be a multiple of {CHUNK_MIX_VALUES}, got {n * d}")
         mix = torch.empty((t, self.fn.shape[0]), dtype=torch.float32, device=x.device)
-        get_kernel("mhc", "hc_chunk_mixes", x.device)(
-            (math.ceil(t / CHUNK_MIX_TOKENS), 1, 1), 256, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(n * d), ctypes.c_int(t), ctypes.c_double(self.norm_eps)]
+        tiles = math.ceil(t / CHUNK_MIX_TOKENS)
+        split = 2 if 2 * tiles <= sm_count(x.device) else 1  # (a CTA an SM: more would queue)
+        get_kernel("mhc", "hc_chunk_mixes_s2" if split == 2 else "hc_chunk_mixes", x.device)(
+            (tiles, split, 1), 256, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(n * d), ctypes.c_int(t), ctypes.c_double(self.norm_eps)]
         )
         return mix
 
@@ -105,9 +109,10 @@ class HcSite:
             )
         return mix
 
-    def block_input(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> BlockInput:
+    def block_input(self, x: torch.Tensor, weight: torch.Tensor, eps: float, fp8: bool = True) -> BlockInput:
         """The block's input rms_norm(hc_collapse(x, pre), weight, eps) bf16 [T, D] from the
-        streams x bf16 [T, n, D], also FP8-quantised, and the site's post and comb for its expand.
+        streams x bf16 [T, n, D], also FP8-quantised (with `fp8`), and the site's post and comb
+        for its expand.
 
         Below a prompt chunk's size the mixes and the block input (pre formed from the mixes)
         come from one launch at decode sizes (norm.hc_block_input), else from the mixes kernel and
@@ -115,7 +120,7 @@ class HcSite:
         runs on the site's side stream: BlockInput.ready says when."""
         self._check(x)
         t = x.shape[0]
-        yq = fp8_rows(t, x.shape[2], x.device)
+        yq = fp8_rows(t, x.shape[2], x.device) if fp8 else None
         if t >= DENSE_MIN_ROWS or not t:
             pre, post, comb = self.coefficients(x)
             return BlockInput(hc_collapse_rms_norm(x, pre, weight, eps, fp8_out=yq), yq, post, comb)

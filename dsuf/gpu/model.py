@@ -64,6 +64,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PREFILL_MIN = 2 * PREFILL_CHUNK  # prompts this long are prefilled in large chunks, outside the step graphs
 PREFILL_MAX = 8192  # rows of a prefill chunk
 INDEX_SCORE_BYTES = 2 << 30  # a prefill chunk's index scores (float32 [rows, keys]) stay below this
+SPLIT_CHUNKS = True  # split over ranks, a prompt chunk's streams are split by rows too (_layers; tests compare both ways)
 DRAFT_GRAPH_ROWS = 2  # MTP drafts of up to this many rows (a decode step's one, or two after an accepted draft) replay graphs
 
 
@@ -339,19 +340,33 @@ class GpuModel:
                 out[layer.ratio] = step_index(self.config, layer.ratio, cache.n_max, layer.rope, slots, pos, chunk, cos_sin=cos_sin[compressed])
         return out
 
-    def _layers(self, ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, runs: torch.Tensor | None, chunk_start: int | None = None) -> torch.Tensor:
-        """The embedding and every layer for the rows (ids, slots, pos: int64 [B] on the device) -> the last streams."""
+    def _layers(self, ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, runs: torch.Tensor | None, chunk_start: int | None = None,
+                last: int | None = None) -> torch.Tensor:
+        """The embedding and every layer for the rows (ids, slots, pos: int64 [B] on the device) ->
+        the final streams of every row, or of the last `last` rows.
+
+        Split over ranks, a prompt chunk's rows are also split by rows where the mHC sites work
+        (each rank keeps the streams of its share of the rows, reduce-scatters the sublayers'
+        partial sums and gathers the block inputs: layer.py), so no rank repeats another's stream
+        updates; decode steps keep every row's streams on every rank (one all-reduce a site)."""
         c = self.config
         index = self._indices(slots, pos, chunk_start)
-        x = self.embed[ids].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
-        buf = {"x0": x, "ids": ids, "slots": slots, "pos": pos, "runs": runs}
+        rows, tp = ids.shape[0], self.tp
+        split = SPLIT_CHUNKS and chunk_start is not None and tp is not None and tp.world > 1 and rows % tp.world == 0
+        own = ids.view(tp.world, -1)[tp.rank] if split else ids
+        x = self.embed[own].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        buf = {"x0": x, "ids": ids, "slots": slots, "pos": pos, "runs": runs, "split": split}
         for layer, cache in zip(self.layers, self.caches):
             for stage in layer.stages(cache, index[layer.ratio]):
                 stage.run(buf)
             # Only the next layer's input lives on (a prefill chunk's intermediates take GBs a layer).
             for key in [k for k in buf if k.startswith(f"{layer.layer}.")] + [f"x{layer.layer}"]:
                 del buf[key]
-        return buf[f"x{c.n_layers}"]
+        x = buf[f"x{c.n_layers}"]
+        if split:  # the last rows are the last rank's: every rank gathers the same few rows of each
+            few = x.shape[0] if last is None else min(last, x.shape[0])
+            x = tp.collective.all_gather_rows(x[-few:].contiguous())
+        return x if last is None else x[-last:]
 
     def _step(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One token for each of the first `rows` rows of the device inputs -> logits float32
@@ -368,7 +383,7 @@ class GpuModel:
             chunk = tokens[lo : lo + self.prefill_rows].to(self.device, torch.int64)
             n = chunk.shape[0]
             pos = torch.arange(seq.pos, seq.pos + n, device=self.device)
-            x = self._layers(chunk, torch.full_like(pos, seq.slot), pos, None, chunk_start=seq.pos)
+            x = self._layers(chunk, torch.full_like(pos, seq.slot), pos, None, chunk_start=seq.pos, last=max(tail, 1))
             seq.pos += n
             if tail:
                 kept = torch.cat((kept, x[-tail:]))[-tail:]

@@ -15,6 +15,11 @@ The split is made for batch-1 decode, and differs from the reference converter's
 Replicated parts run on every rank on identical inputs (the collectives give every rank the same
 bits), so replicated state (KV caches, compressor states, expert routes) stays identical on all
 ranks, and any rank can export a sequence's state.
+
+A prompt chunk's mHC streams are the exception: each rank keeps those of its share of the chunk's
+rows (their update, collapse and norm are per row and cost the chunk ~10 % replicated), the
+sublayers' partial sums are reduce-scattered instead of all-reduced and the block inputs gathered,
+moving the same bytes (GpuModel._layers).
 """
 
 from __future__ import annotations

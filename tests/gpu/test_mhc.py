@@ -44,6 +44,21 @@ def test_hc_coefficients(cuda, tokens):
     assert_coefficients_close(got, ref, f"x {tokens}")
 
 
+def test_a_chunks_mixes_over_clusters_of_two_ctas_are_one_ctas(cuda, monkeypatch):
+    """A prompt chunk of few 64-token tiles (here 10: the SMs would idle) has each tile's mixes
+    summed by two CTAs of a cluster, a half of the values each, rank 0 adding rank 1's sums: the
+    float64 sums in another order, so the float32 mixes within an ulp of one CTA a tile's."""
+    fn, base, scale = site(cuda)
+    x = streams(600, cuda)
+    hc = HcSite(fn, base, scale, EPS, HC_EPS, ITERS)
+    two = hc._chunk_mixes(x)
+    monkeypatch.setattr(gpu_mhc, "sm_count", lambda device=None: 1)  # no room for a second CTA a tile
+    one = hc._chunk_mixes(x)
+    ulps = ((two.double() - one.double()).abs() / (one.double().abs() * 2.0**-23)).max()
+    print(f"\n  chunk mixes, clusters of two vs a CTA a tile: max {float(ulps):.1f} float32 ulp, {(two == one).float().mean():.4f} equal")
+    assert float(ulps) <= 1.0 and (two == one).float().mean() > 0.9
+
+
 # 1, 3 and 8: decode (mixes and block input in one launch); 20: more tokens than hc_mixes has CTAs
 # a row (each takes several), then the collapse kernel; 600: a prompt chunk (coefficients, then the
 # collapse kernel).

@@ -56,6 +56,10 @@ def _collectives_rank(rank: int, init: str, out: Path) -> None:
         got[f"reduce in {rows}"], got[f"reduce ipc {rows}"], got[f"reduce nccl {rows}"] = x.cpu(), ipc.all_reduce(x).cpu(), nccl.all_reduce(x).cpu()
     part = torch.randn(3, 64640, generator=gen, device=device)
     got["gather in"], got["gather ipc"] = part.cpu(), ipc.all_gather(part).cpu()
+    for rows in (8, 512):  # a prompt chunk's rows split over the ranks: the IPC kernels, then NCCL (bulk)
+        x = (torch.randn(rows, 4096, generator=gen, device=device) * 4).bfloat16()
+        got[f"scatter in {rows}"], got[f"scatter {rows}"] = x.cpu(), ipc.reduce_scatter(x).cpu()
+        got[f"gather rows {rows}"] = ipc.all_gather_rows(x[: rows // WORLD]).cpu()
 
     # The all-reduce fused with the mHC update that follows it: the streams and coefficients are
     # replicated (the same on every rank), the partial outputs are each rank's own.
@@ -109,6 +113,13 @@ def test_ipc_collectives_give_every_rank_the_rank_ordered_sum_eager_and_in_graph
         assert torch.equal(total, ranks[0]["expand"][0]) and torch.equal(fused, unfused) and torch.equal(fused, over_nccl)
     want = torch.cat([r["gather in"] for r in ranks], dim=1)
     assert all(torch.equal(r["gather ipc"], want) for r in ranks)
+    for rows in (8, 512):  # rank k gets rows k·T/2 … of the sum; every rank every rank's rows
+        total = _sum([r[f"scatter in {rows}"] for r in ranks])
+        for k, r in enumerate(ranks):
+            err = rel(r[f"scatter {rows}"].float(), total.chunk(WORLD)[k].float())
+            print(f"  {rows} x 4096 reduce-scatter, rank {k}: rel err {err:.1e} against the rank-ordered sum")
+            assert err == 0 if rows == 8 else err < 1e-3  # (the IPC kernels' sum is the rank-ordered one; NCCL's close to it)
+            assert torch.equal(r[f"gather rows {rows}"], torch.cat([q[f"scatter in {rows}"][: rows // WORLD] for q in ranks]))
     for step in range(5):
         xs = [r["replays"][step][0] for r in ranks]
         ys = [r["replays"][step][1] for r in ranks]
@@ -141,7 +152,7 @@ def _streams_of(ranks: list) -> tuple[list[torch.cuda.Stream], object]:
 
 def test_ipc_collectives_of_two_ranks_sharing_one_gpu(cuda) -> None:
     """The same kernels with both ranks on one GPU, a stream each: the rank-ordered sums and the
-    gather, eager and in CUDA graphs replayed with new inputs."""
+    gathers (also of rows, and a reduce-scatter), eager and in CUDA graphs replayed with new inputs."""
     from dsuf.gpu.collective import IpcCollective
     from dsuf.gpu.mhc import hc_expand
 
@@ -159,6 +170,11 @@ def test_ipc_collectives_of_two_ranks_sharing_one_gpu(cuda) -> None:
         assert torch.equal(total, _sum(parts)) and torch.equal(fused, hc_expand(_sum(parts), streams_x, post, comb))
     cols = [torch.randn(3, 64640, device=cuda) for _ in ranks]
     assert all(torch.equal(got, torch.cat(cols, dim=1)) for got in on_each(lambda r, coll: coll.all_gather(cols[r])))
+    for rows in (8, 64):  # rows split over the ranks (a prompt chunk's, at the mHC sites)
+        halves = [(torch.randn(rows, 4096, device=cuda) * 4).bfloat16() for _ in ranks]
+        for k, got in enumerate(on_each(lambda r, coll: coll.reduce_scatter(halves[r]))):
+            assert torch.equal(got, _sum(halves).chunk(WORLD)[k])
+        assert all(torch.equal(got, torch.cat(halves)) for got in on_each(lambda r, coll: coll.all_gather_rows(halves[r])))
 
     xs = [torch.empty(8, 4096, dtype=torch.bfloat16, device=cuda) for _ in ranks]
     graphs, outs = [torch.cuda.CUDAGraph() for _ in ranks], []
@@ -290,6 +306,47 @@ def test_a_model_split_over_two_ranks_sharing_one_gpu_computes_what_one_gpu_comp
     c = small_config()
     tokens = torch.randint(0, c.vocab_size, (PROMPT + DECODE,))
     _check_split(c, tokens, _spawn(_model_rank, tmp_path, tokens, True, gpus=1))
+
+
+def _split_chunk_rank(rank: int, init: str, out: Path, tokens: torch.Tensor) -> None:
+    """A prompt chunk's final streams through the layers with its streams split by rows over the
+    ranks (each rank the mHC updates, collapses and routing of half the rows), and unsplit."""
+    from dsuf.gpu import model as gpu_model
+    from dsuf.gpu.tp import start
+    from dsuf.gpu.weights import random_source
+
+    device = torch.device("cuda", 0)
+    c = small_config()
+    tp = start(rank, WORLD, init, device, "ipc", slot_bytes=len(tokens) * c.hc_mult * c.dim, bulk=False)  # (half the final streams a rank)
+    model = gpu_model.GpuModel(c, random_source(c, device, SEED, rank, WORLD), device, max_batch=4, max_context=4096, tp=tp)
+    got = {}
+    for split in (True, False):
+        gpu_model.SPLIT_CHUNKS = split
+        seq = model.new_state()
+        ids = tokens.to(device)
+        pos = torch.arange(len(tokens), device=device)
+        with torch.inference_mode():
+            got[split] = model._layers(ids, torch.full_like(pos, seq.slot), pos, None, chunk_start=0).cpu()
+        model.free(seq)
+    torch.save(got, out / f"rank{rank}.pt")
+    dist.barrier()
+
+
+def test_a_prompt_chunk_split_by_rows_over_the_ranks_computes_what_the_unsplit_chunk_does(tmp_path) -> None:
+    """Split over two ranks, a prompt chunk's rows are also split where the mHC sites work: every
+    rank updates, collapses and routes its half of the rows, the sublayers' partial sums are
+    reduce-scattered and the block inputs and routes gathered. Each row's arithmetic is the
+    unsplit chunk's, so its final streams are the same bits (a row may differ where a float64 sum
+    of the router's matmul, cuBLAS's over 600 rows against 1200, rounds otherwise: the model is
+    chaotic), and both ranks hold the same."""
+    c = small_config()
+    tokens = torch.randint(0, c.vocab_size, (1200,))  # 600 rows a rank: the prompt-chunk kernels either way
+    ranks = _spawn(_split_chunk_rank, tmp_path, tokens, gpus=1)
+    split, whole = ranks[0][True], ranks[0][False]
+    assert torch.equal(split, ranks[1][True]) and torch.equal(whole, ranks[1][False])
+    same = (split == whole).flatten(1).all(dim=1).float().mean()
+    print(f"\n  a 1200-row chunk split by rows vs unsplit: {same:.3f} of the rows' final streams the same bits, rel err {rel(split.float(), whole.float()):.1e}")
+    assert same > 0.9
 
 
 def _check_split(c, tokens: torch.Tensor, ranks: list[dict]) -> None:
