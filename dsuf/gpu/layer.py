@@ -395,13 +395,16 @@ class DecodeLayer:
         y = self.tp.collective.all_gather_rows(own.y)
         return own, y, act_quant(y)
 
+    def _own(self, b: dict, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a tensor of the step's rows where the rows are split (b["split"]), else t."""
+        return t.chunk(self.tp.world)[self.tp.rank] if b.get("split") else t
+
     def _route(self, b: dict, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts (weights, idx) of the block inputs y: where the rows are split over the
         ranks (y this rank's), each routes its own and the routes are gathered."""
         if not b.get("split"):
             return self.router(y, b["ids"])
-        world, rank = self.tp.world, self.tp.rank
-        weights, idx = self.router(y, b["ids"].view(world, -1)[rank])
+        weights, idx = self.router(y, self._own(b, b["ids"]))
         both = self.tp.collective.all_gather_rows(torch.cat((weights, idx.view(torch.float32)), dim=1))  # one gather
         k = weights.shape[1]
         return both[:, :k].contiguous(), both[:, k:].contiguous().view(torch.int32)
@@ -458,15 +461,22 @@ class DecodeLayer:
             run(parts[0], parts[1], (cache.comp_kv, cache.comp_score), self.ape, self.comp_norm, cache.pool, ix.comp_slot)
             return later
 
+        # The indexer's queries, scores and top-k are per row: where the rows are split over the
+        # ranks, each picks for its own rows (_own) and the picks are gathered.
         def index_query(b: dict) -> None:
-            rows = b[f"{L}.y"].shape[0]
-            qi = self.idx_wq_b.forward_quantized(*b[f"{L}.qr_q"]).view(rows, c.index_n_heads, c.index_head_dim)
-            b[f"{L}.qi"] = index_query_fp4(qi, ix.cos, ix.sin)
+            qr = [self._own(b, t) for t in b[f"{L}.qr_q"]]
+            qi = self.idx_wq_b.forward_quantized(*qr).view(qr[0].shape[0], c.index_n_heads, c.index_head_dim)
+            b[f"{L}.qi"] = index_query_fp4(qi, self._own(b, ix.cos), self._own(b, ix.sin))
 
         def index_select(b: dict) -> None:
-            scores = index_scores(*b[f"{L}.qi"], b[f"{L}.weights"], cache.keys, ix.key_start, ix.n_keys, ix.max_keys or cache.n_max,
+            def own(t: torch.Tensor) -> torch.Tensor:
+                return self._own(b, t)
+
+            scores = index_scores(*b[f"{L}.qi"], own(b[f"{L}.weights"]), cache.keys, own(ix.key_start), own(ix.n_keys), ix.max_keys or cache.n_max,
                                   weight_scale=c.index_head_dim**-0.5 * c.index_n_heads**-0.5, weights_bf16=True)
-            topk_indices(scores, ix.n_keys, c.index_topk, out=ix.attn_idx, out_col=c.window_size, offset=ix.comp_base)
+            topk_indices(scores, own(ix.n_keys), c.index_topk, out=own(ix.attn_idx), out_col=c.window_size, offset=own(ix.comp_base))
+            if b.get("split"):
+                ix.attn_idx.copy_(self.tp.collective.all_gather_rows(own(ix.attn_idx)))
 
         def attend(b: dict) -> None:
             b[f"{L}.o"] = sparse_attention(b[f"{L}.q"], cache.pool, ix.attn_idx, self.sink, hd**-0.5, inverse_rope=(ix.cos, ix.sin), used=ix.attn_used)
