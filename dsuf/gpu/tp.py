@@ -16,10 +16,11 @@ Replicated parts run on every rank on identical inputs (the collectives give eve
 bits), so replicated state (KV caches, compressor states, expert routes) stays identical on all
 ranks, and any rank can export a sequence's state.
 
-A prompt chunk's mHC streams are the exception: each rank keeps those of its share of the chunk's
-rows (their update, collapse and norm are per row and cost the chunk ~10 % replicated), the
-sublayers' partial sums are reduce-scattered instead of all-reduced and the block inputs gathered,
-moving the same bytes (GpuModel._layers).
+A prompt chunk is the exception: each rank keeps the mHC streams of its share of the chunk's rows
+and does the per-row work no rank needs to repeat for them (the streams' update, collapse and norm,
+the routing, the indexer's queries, scores and top-k: a quarter of a chunk's time, replicated);
+the sublayers' partial sums are reduce-scattered instead of all-reduced, and the block inputs,
+routes and top-k picks gathered, moving the same bytes (GpuModel._layers, layer.py).
 """
 
 from __future__ import annotations
