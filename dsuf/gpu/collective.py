@@ -2,7 +2,7 @@
 
 Two implementations of one small interface (`all_reduce`: bf16 partial sums -> their sum on every
 rank; `all_gather`: each rank's float32 columns -> every rank's, side by side), both capturable in
-CUDA graphs, and, for prompt chunks split by rows over the ranks at the mHC sites (layer.py), a
+CUDA graphs, and, for prompt chunks split by rows over the ranks (GpuModel._layers), a
 reduce-scatter of bf16 partial sums and an all-gather of rows:
 
 - `IpcCollective`: kernels_cu/collective.cu over CUDA IPC peer buffers, one launch a call and no

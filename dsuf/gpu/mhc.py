@@ -90,9 +90,9 @@ class HcSite:
             raise ValueError(f"hc_chunk_mixes: n * D must be a multiple of {CHUNK_MIX_VALUES}, got {n * d}")
         mix = torch.empty((t, self.fn.shape[0]), dtype=torch.float32, device=x.device)
         tiles = math.ceil(t / CHUNK_MIX_TOKENS)
-        split = 2 if 2 * tiles <= sm_count(x.device) else 1  # (a CTA an SM: more would queue)
-        get_kernel("mhc", "hc_chunk_mixes_s2" if split == 2 else "hc_chunk_mixes", x.device)(
-            (tiles, split, 1), 256, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(n * d), ctypes.c_int(t), ctypes.c_double(self.norm_eps)]
+        per_tile = 2 if 2 * tiles <= sm_count(x.device) else 1  # CTAs a tile (a CTA an SM: more would queue)
+        get_kernel("mhc", "hc_chunk_mixes_s2" if per_tile == 2 else "hc_chunk_mixes", x.device)(
+            (tiles, per_tile, 1), 256, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(n * d), ctypes.c_int(t), ctypes.c_double(self.norm_eps)]
         )
         return mix
 
