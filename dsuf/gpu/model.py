@@ -35,6 +35,7 @@ from dsuf.model.speculative import Verified
 from dsuf.model.state import CompressorState, LayerState, SequenceState, StateError
 
 from .attention import pack_kv, unpack_kv
+from .dense import DENSE_MIN_ROWS
 from .indexer import pack_index_keys, unpack_index_keys
 from .layer import PREFILL_CHUNK, DecodeLayer, LayerCache, StepIndex, has_mm_out_dtype, ring_size, step_index, step_indices
 from .linear import Fp8Linear
@@ -352,7 +353,8 @@ class GpuModel:
         c = self.config
         index = self._indices(slots, pos, chunk_start)
         rows, tp = ids.shape[0], self.tp
-        split = SPLIT_CHUNKS and chunk_start is not None and tp is not None and tp.world > 1 and rows % tp.world == 0
+        # (split where each rank's share is a chunk for the chunk kernels by itself: a shorter one gains little)
+        split = SPLIT_CHUNKS and chunk_start is not None and tp is not None and tp.world > 1 and rows % tp.world == 0 and rows // tp.world >= DENSE_MIN_ROWS
         own = ids.view(tp.world, -1)[tp.rank] if split else ids
         x = self.embed[own].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         buf = {"x0": x, "ids": ids, "slots": slots, "pos": pos, "runs": runs, "split": split}

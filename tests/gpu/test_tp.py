@@ -253,7 +253,7 @@ def test_the_moe_pushes_its_output_and_the_all_reduce_only_sums_it(cuda, moe_pai
     assert ranks[0].sender(1 << 20) is not None and ranks[0].sender((1 << 20) + 16) is None
 
 
-SEED, PROMPT, DECODE = 7, 600, 6  # a prompt for the prefill path (dense GEMMs, NCCL for its all-reduces)
+SEED, PROMPT, DECODE = 7, 1200, 6  # a prompt for the prefill path (dense GEMMs; its rows split over the ranks, NCCL's reduce-scatters and gathers)
 
 
 def _model_rank(rank: int, init: str, out: Path, tokens: torch.Tensor, shared_gpu: bool = False) -> None:
