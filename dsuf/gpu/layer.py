@@ -496,7 +496,7 @@ class DecodeLayer:
             b[f"{L}.post2"], b[f"{L}.comb2"] = site.post, site.comb
             if site.ready is not None:
                 b[f"{L}.comb2{READY}"] = site.ready
-            if b.get("split") or not self.moe.decodes(b[f"{L}.y2"].shape[0]):  # a prompt chunk: the MoE runs its shared expert itself
+            if not self.moe.decodes(b[f"{L}.y2"].shape[0]):  # a prompt chunk (split or not): the MoE runs its shared expert itself
                 b[f"{L}.route"] = self._route(b, site.y)
                 return
             scores = self.router.scores(site.y)

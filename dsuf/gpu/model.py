@@ -346,10 +346,11 @@ class GpuModel:
         """The embedding and every layer for the rows (ids, slots, pos: int64 [B] on the device) ->
         the final streams of every row, or of the last `last` rows.
 
-        Split over ranks, a prompt chunk's rows are also split by rows where the mHC sites work
-        (each rank keeps the streams of its share of the rows, reduce-scatters the sublayers'
-        partial sums and gathers the block inputs: layer.py), so no rank repeats another's stream
-        updates; decode steps keep every row's streams on every rank (one all-reduce a site)."""
+        Split over ranks, a prompt chunk's rows are also split by rows where the work is per row
+        (each rank keeps the streams of its share of the rows, makes their block inputs, routes
+        them and picks their indexer entries; the sublayers' partial sums are reduce-scattered and
+        the rest gathered: layer.py), so no rank repeats another's; decode steps keep every row's
+        streams on every rank (one all-reduce a site)."""
         c = self.config
         index = self._indices(slots, pos, chunk_start)
         rows, tp = ids.shape[0], self.tp
