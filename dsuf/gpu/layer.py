@@ -397,7 +397,7 @@ class DecodeLayer:
 
     def _own(self, b: dict, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a tensor of the step's rows where the rows are split (b["split"]), else t."""
-        return t.chunk(self.tp.world)[self.tp.rank] if b.get("split") else t
+        return self.tp.own_rows(t) if b.get("split") else t
 
     def _route(self, b: dict, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts (weights, idx) of the block inputs y: where the rows are split over the

@@ -356,7 +356,7 @@ class GpuModel:
         rows, tp = ids.shape[0], self.tp
         # (split where each rank's share is a chunk for the chunk kernels by itself: a shorter one gains little)
         split = SPLIT_CHUNKS and chunk_start is not None and tp is not None and tp.world > 1 and rows % tp.world == 0 and rows // tp.world >= DENSE_MIN_ROWS
-        own = ids.view(tp.world, -1)[tp.rank] if split else ids
+        own = tp.own_rows(ids) if split else ids
         x = self.embed[own].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         buf = {"x0": x, "ids": ids, "slots": slots, "pos": pos, "runs": runs, "split": split}
         for layer, cache in zip(self.layers, self.caches):

@@ -107,6 +107,11 @@ class TensorParallel:
     world: int
     collective: Collective
 
+    def own_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the rows of t (a prompt chunk split by rows: rank r's r·T/world …),
+        as reduce_scatter leaves them and all_gather_rows takes them."""
+        return t.chunk(self.world)[self.rank]
+
     def kernels_ready(self, device: torch.device) -> None:
         """Compile (or find cached) every kernel for the device, then wait for all ranks: a rank
         compiling while a peer waits in a collective could outlast the collective's timeout."""
