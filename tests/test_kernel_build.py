@@ -123,12 +123,12 @@ def test_every_kernel_compiles(tmp_path, arch):
 
 @needs_nvrtc
 def test_the_tools_probes_compile(tmp_path):
-    """tools/probes/*.cu (the probes of tools/chain-probe and tools/fp8-sums-probe), beside the
-    kernels' common.cuh as the tools compile them, for Hopper."""
+    """tools/probes/*.cu (the probes of tools/chain-probe, tools/fp8-sums-probe and
+    tools/bandwidth-probe), beside the kernels' common.cuh as the tools compile them, for Hopper."""
     root = Path(__file__).resolve().parents[1]
     probes = sorted((root / "tools" / "probes").glob("*.cu"))
     kdir = write_kernels(tmp_path, {p.name: p.read_text() for p in probes} | {"common.cuh": (build.KERNEL_DIR / "common.cuh").read_text()})
     cache = KernelCache(tmp_path / "cache")
-    assert {s.name for s in load_sources(kdir)} >= {"chain", "fp8_sums"}
+    assert {s.name for s in load_sources(kdir)} >= {"bandwidth", "chain", "fp8_sums"}
     for s in load_sources(kdir):
         assert cache.get(s, "sm_90a")
