@@ -19,6 +19,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) bulk_pull(const u8* src, i6
   if (threadIdx.x == 0 && smem[0] == 0xff && smem[bytes - 1] == 0xff) sink[0] = 1;
 }
 
+// (piece: unused; bulk_pull's arguments, so that the tool launches both alike)
 extern "C" __global__ void __launch_bounds__(512, 1) load_pull(const u8* src, i64 cta_stride, int bytes, int piece, int* sink) {
   const uint4* from = reinterpret_cast<const uint4*>(src + blockIdx.x * cta_stride);
   const int n = bytes / 16;
