@@ -330,9 +330,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip the reference path")
     p.add_argument("--no-stages", action="store_true", help="skip the per-stage timing")
     p.add_argument("--profile", action="store_true", help="also print the CUDA kernels of one eager step of the first configuration "
-                   "(with --model --prefill: of one prefill chunk; with --model --tokens-per-seq 2: of one MTP draft) (torch.profiler)")
+                   "(with --model --prefill: of the first prompt's first chunk; with --model --tokens-per-seq 2: of one MTP draft) (torch.profiler)")
     p.add_argument("--trace", nargs="?", const="", metavar="JSON", help="with --model: also print where one replay of the first batch's step "
-                   "goes (kernels alone on the GPU, overlap, idle gaps; dsuf.gpu.timeline), and one prefill chunk with --prefill; "
+                   "goes (kernels alone on the GPU, overlap, idle gaps; dsuf.gpu.timeline), and the first prompt's first chunk with --prefill; "
                    "rank 0's traces are written to JSON and JSON's stem + -prefill.json if given")
     p.add_argument("--config", help="a config.json to take the shapes from (default: V4-Flash's, built in)")
     p.add_argument("--seed", type=int, default=0)
@@ -410,11 +410,11 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
         for n_tokens in prompts_for(args.prefill, args.context, ctx):
             seconds = prefill_seconds(model, n_tokens, c.vocab_size)
             if args.profile and not prefills:
-                profile_chunk(model, c.vocab_size, show=rank == 0)
+                profile_chunk(model, c.vocab_size, n_tokens, show=rank == 0)
             if args.trace is not None and not prefills:
                 save = Path(args.trace).with_name(Path(args.trace).stem + "-prefill.json") if args.trace and rank == 0 else None
-                spans = trace_spans(prefill_chunk(model, c.vocab_size), save)
-                say(f"\nwhere one prefill chunk of {model.prefill_rows} tokens goes (rank 0):\n{report(analyse(spans))}\n", flush=True)
+                spans = trace_spans(prefill_chunk(model, c.vocab_size, n_tokens), save)
+                say(f"\nwhere one prefill chunk of {min(n_tokens, model.prefill_rows)} tokens goes (rank 0):\n{report(analyse(spans))}\n", flush=True)
             prefills.append((n_tokens, ctx, seconds))
             say(f"  prefill of a {n_tokens}-token prompt (context {ctx}): {seconds:.2f} s = {n_tokens / seconds:.0f} tokens/s", flush=True)
         del model
@@ -475,9 +475,10 @@ def prompts_for(sizes: list[int], contexts: list[int], ctx: int) -> list[int]:
     return [n for n in sizes if min((c for c in contexts if c >= n), default=None) == ctx]
 
 
-def prefill_chunk(model, vocab: int) -> Callable[[], None]:
-    """One prefill chunk of random tokens into a new sequence, freed after (every call the same)."""
-    chunk = torch.randint(0, vocab, (model.prefill_rows,))
+def prefill_chunk(model, vocab: int, n_tokens: int) -> Callable[[], None]:
+    """The first prefill chunk of an n_tokens prompt (random tokens) into a new sequence, freed
+    after (every call the same)."""
+    chunk = torch.randint(0, vocab, (min(n_tokens, model.prefill_rows),))
 
     def run() -> None:
         seq = model.new_state()
@@ -489,9 +490,9 @@ def prefill_chunk(model, vocab: int) -> Callable[[], None]:
     return run
 
 
-def profile_chunk(model, vocab: int, show: bool) -> None:
-    """The kernels of one prefill chunk (every rank runs it; `show` prints)."""
-    profiled(prefill_chunk(model, vocab), f"one prefill chunk of {model.prefill_rows} tokens, rank 0", show)
+def profile_chunk(model, vocab: int, n_tokens: int, show: bool) -> None:
+    """The kernels of an n_tokens prompt's first prefill chunk (every rank runs it; `show` prints)."""
+    profiled(prefill_chunk(model, vocab, n_tokens), f"one prefill chunk of {min(n_tokens, model.prefill_rows)} tokens, rank 0", show)
 
 
 def prefill_seconds(model, n_tokens: int, vocab: int) -> float:

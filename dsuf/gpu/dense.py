@@ -71,11 +71,18 @@ def act_fake_quant(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def mm_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A weight's uint8 E8M0 scales [N/128, K/128] as fp8_mm multiplies by them: float32 2**e."""
+    return scale.view(torch.float8_e8m0fnu).float()
+
+
+def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+           scale_f32: torch.Tensor | None = None) -> torch.Tensor:
     """An act_quant result (e4m3 [M, K], float32 scales [M, K/128]) times an e4m3 weight [N, K]
     with uint8 E8M0 scales [N/128, K/128], transposed: [M, N] of out_dtype (bf16 or float32).
     cuBLAS block scaling takes the activations' scales M-major and the weight's as the transpose
-    of the checkpoint's, in whole 16-row tiles: other row counts run padded with zero rows.
+    of the checkpoint's (scale_f32: mm_scale(scale), kept by a caller that multiplies by the
+    weight again), in whole 16-row tiles: other row counts run padded with zero rows.
     Elsewhere than on Hopper (where cuBLAS may not take 128-blocks) the same products through
     exact bf16 copies of both."""
     m, k = xq.shape
@@ -86,7 +93,7 @@ def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, scale: torch.Ten
     if pad:
         xq = torch.cat((xq.view(torch.uint8), xq.new_zeros((pad, k), dtype=torch.uint8))).view(torch.float8_e4m3fn)
         sx = torch.cat((sx, sx.new_ones((pad, sx.shape[1]))))
-    w_scale = scale.view(torch.float8_e8m0fnu).float()
+    w_scale = scale_f32 if scale_f32 is not None else mm_scale(scale)
     return torch._scaled_mm(xq, w.t(), scale_a=sx.t().contiguous().t(), scale_b=w_scale.t(), out_dtype=out_dtype)[:m]
 
 

@@ -13,13 +13,14 @@ weight (dense.py).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from collections.abc import Callable
 
 import torch
 
-from .dense import DENSE_MIN_ROWS, fp8_mm
-from .runtime import device_arch, get_kernel, ptr
+from .dense import DENSE_MIN_ROWS, fp8_mm, mm_scale
+from .runtime import device_arch, device_index, get_kernel, ptr
 
 BLOCK = 128  # V4-Flash weight blocks and activation blocks
 MAX_TOKENS = 32  # tokens per launch: 4 mma column tiles of 8
@@ -90,7 +91,12 @@ class GemmParams(ctypes.Structure):
 
 
 def sm_count(device: torch.device | None = None) -> int:
-    return torch.cuda.get_device_properties(device or torch.cuda.current_device()).multi_processor_count
+    return _sm_count(device_index(device))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:  # asked at launches: torch's device query costs microseconds
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def choose_splits(tiles: int, k_blocks: int, sms: int, partial_bytes: int, weight_bytes: int) -> int:
@@ -159,6 +165,11 @@ class Fp8Linear:
         sms = sm_count(weight.device)
         self.rows = [rows_per_cta(n, sms, lambda r, m=m: rows_shared_bytes(r, k, m)) if takes else None for m in range(ROWS_TOKENS + 1)]
 
+    @functools.cached_property
+    def mm_scale(self) -> torch.Tensor:
+        """The scales as a prompt chunk's cuBLAS GEMM takes them (dense.fp8_mm), made on first use."""
+        return mm_scale(self.scale)
+
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
@@ -193,7 +204,7 @@ class Fp8Linear:
         m = xq.shape[0]
         n = self.out_features
         if m >= DENSE_MIN_ROWS:
-            y = fp8_mm(xq, sx, self.weight, self.scale)
+            y = fp8_mm(xq, sx, self.weight, self.scale, scale_f32=self.mm_scale)
             return out.copy_(y) if out is not None else y
         if m <= ROWS_TOKENS and self.rows[m] is not None:
             return self._rows("fp8_rows_m8", xq, sx, out)

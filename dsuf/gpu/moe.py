@@ -25,11 +25,12 @@ expert (FP8, 25 MB). The launches:
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from .dense import act_fake_quant, fp4_weight_bf16, fp8_mm, swiglu, swiglu_fp8
+from .dense import act_fake_quant, fp4_weight_bf16, fp8_mm, mm_scale, swiglu, swiglu_fp8
 from .linear import BLOCK, CTA_ROWS, MAX_TOKENS, GemmParams, act_quant, choose_splits, launch_fp8, scale_bytes, sm_count
 from .peers import Peers
 from .runtime import TensorMap, device_arch, get_kernel, ptr, tensor_map_2d
@@ -200,14 +201,24 @@ class Fp8Expert:
     s2: torch.Tensor
 
     def __post_init__(self) -> None:
-        self.s1, self.s3, self.s2 = scale_bytes(self.s1), scale_bytes(self.s3), scale_bytes(self.s2)
-        self.w1, self.w3, self.w2 = self.w1.contiguous(), self.w3.contiguous(), self.w2.contiguous()
+        # w1 and w3 (and their scales) are the halves of one matrix, which a prompt chunk's GEMM takes whole.
+        inter = self.w1.shape[0]
+        self.w13, self.s13 = torch.cat((self.w1, self.w3)), torch.cat((scale_bytes(self.s1), scale_bytes(self.s3)))
+        self.w1, self.w3 = self.w13[:inter], self.w13[inter:]
+        self.s1, self.s3 = self.s13[: inter // BLOCK], self.s13[inter // BLOCK :]
+        self.s2, self.w2 = scale_bytes(self.s2), self.w2.contiguous()
+
+    @functools.cached_property
+    def mm_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """s13's and s2's scales as dense.fp8_mm takes them, made on first use."""
+        return mm_scale(self.s13), mm_scale(self.s2)
 
     def prefill(self, xq: torch.Tensor, sx: torch.Tensor, limit: float) -> torch.Tensor:
         """A prompt chunk's output bf16 [T, D] from x's act_quant: FP8 block-scaled GEMMs
         (dense.fp8_mm), gate and up in float32 as the reference keeps them."""
-        gate_up = fp8_mm(xq, sx, torch.cat((self.w1, self.w3)), torch.cat((self.s1, self.s3)), torch.float32)
-        return fp8_mm(*swiglu_fp8(gate_up, limit), self.w2, self.s2)
+        s13, s2 = self.mm_scales
+        gate_up = fp8_mm(xq, sx, self.w13, self.s13, torch.float32, scale_f32=s13)
+        return fp8_mm(*swiglu_fp8(gate_up, limit), self.w2, self.s2, scale_f32=s2)
 
 
 class Moe:

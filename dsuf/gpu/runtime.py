@@ -21,9 +21,21 @@ from .build import KernelCache, load_source
 Arg = ctypes.c_void_p | ctypes.c_int | ctypes.c_float | ctypes.c_double | ctypes.Structure
 
 
+def device_index(device: torch.device | int | None = None) -> int:
+    """The ordinal of a CUDA device (None, or a device without an index: the current one)."""
+    if isinstance(device, int):
+        return device
+    return device.index if device is not None and device.index is not None else torch.cuda.current_device()
+
+
 def device_arch(device: torch.device | int | None = None) -> str:
     """The NVRTC target of a CUDA device: sm_90a on Hopper, sm_100a on B200/B300, else sm_XY."""
-    major, minor = torch.cuda.get_device_capability(device)
+    return _arch(device_index(device))
+
+
+@functools.cache
+def _arch(index: int) -> str:  # asked at every launch: torch's device query costs microseconds
+    major, minor = torch.cuda.get_device_capability(index)
     arch = f"sm_{major}{minor}"
     return arch + "a" if (major, minor) in ((9, 0), (10, 0)) else arch
 
@@ -33,6 +45,7 @@ def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
 
 
+@functools.cache
 def _driver():
     from cuda.bindings import driver
 
@@ -69,6 +82,9 @@ class Kernel:
         self._kernel = handle
         self._function = _driver().CUfunction(int(handle))
         self._shared_granted: dict[int, int] = {}  # device ordinal -> dynamic bytes allowed
+        # Launch configurations by (grid, block, shared bytes, stream): a prompt chunk launches
+        # ~1,300 kernels from Python, and its host time, not the GPU's, bounds mid-size prompts.
+        self._configs: dict[tuple, object] = {}
 
     def _grant_shared(self, nbytes: int, device: int) -> None:
         """Raise the kernel's dynamic shared-memory limit on `device` to at least nbytes (opted in
@@ -97,22 +113,35 @@ class Kernel:
         driver = _driver()
         if min(grid) < 1:
             raise ValueError(f"{self.name}: empty grid {grid}")
-        stream = stream or torch.cuda.current_stream()
-        self._grant_shared(shared, stream.device.index if stream.device.index is not None else torch.cuda.current_device())
+        if stream is None:  # the raw handle: torch.cuda.current_stream() builds a Stream object
+            device = torch.cuda.current_device()
+            handle = torch._C._cuda_getCurrentRawStream(device)
+        else:
+            device, handle = device_index(stream.device), stream.cuda_stream
+        self._grant_shared(shared, device)
         params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
         if not PDL:
-            (err,) = driver.cuLaunchKernel(
-                self._function, *grid, block, 1, 1, shared, driver.CUstream(stream.cuda_stream), ctypes.addressof(params), 0
-            )
+            (err,) = driver.cuLaunchKernel(self._function, *grid, block, 1, 1, shared, handle, ctypes.addressof(params), 0)
             _check(err, f"cuLaunchKernel({self.name})")
             return
-        config = driver.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = grid
-        config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
-        config.sharedMemBytes, config.hStream = shared, driver.CUstream(stream.cuda_stream)
-        config.attrs, config.numAttrs = [_pdl_attribute()], 1
-        (err,) = driver.cuLaunchKernelEx(config, self._function, ctypes.addressof(params), 0)
+        (err,) = driver.cuLaunchKernelEx(self._config(grid, block, shared, handle), self._function, ctypes.addressof(params), 0)
         _check(err, f"cuLaunchKernelEx({self.name})")
+
+    def _config(self, grid: tuple[int, int, int], block: int, shared: int, stream: int):
+        """The CUlaunchConfig of a programmatic dependent launch, made once per shape and stream."""
+        key = (*grid, block, shared, stream)
+        config = self._configs.get(key)
+        if config is None:
+            if len(self._configs) >= 256:  # prompt chunks of many sizes: keep the recent shapes
+                self._configs.clear()
+            driver = _driver()
+            config = driver.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid
+            config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+            config.sharedMemBytes, config.hStream = shared, driver.CUstream(stream)
+            config.attrs, config.numAttrs = [_pdl_attribute()], 1
+            self._configs[key] = config
+        return config
 
 
 _lock = threading.Lock()
@@ -140,16 +169,20 @@ def _library(source_name: str, arch: str):
     return load_library(KernelCache().get(load_source(source_name), arch), f"kernels_cu/{source_name}.cu, {arch}")
 
 
-@functools.cache
-def _kernel(source_name: str, name: str, arch: str) -> Kernel:
-    return library_kernel(_library(source_name, arch), name, f"kernels_cu/{source_name}.cu")
+_kernels: dict[tuple[str, str, str], Kernel] = {}  # (source, name, arch) -> loaded kernel
 
 
 def get_kernel(source_name: str, name: str, device: torch.device | int | None = None) -> Kernel:
     """Kernel `name` of kernels_cu/SOURCE_NAME.cu built for the device's architecture (compiled
     or read from the cache on first use, then held for the process)."""
-    with _lock:
-        return _kernel(source_name, name, device_arch(device))
+    key = (source_name, name, arch := device_arch(device))
+    kernel = _kernels.get(key)  # (asked at every launch: the lock only where it may build)
+    if kernel is None:
+        with _lock:
+            if key not in _kernels:
+                _kernels[key] = library_kernel(_library(source_name, arch), name, f"kernels_cu/{source_name}.cu")
+            kernel = _kernels[key]
+    return kernel
 
 
 TensorMap = ctypes.c_uint64 * 16  # a CUtensorMap's 128 opaque bytes (struct TensorMap in common.cuh)
