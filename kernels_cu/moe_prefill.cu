@@ -53,6 +53,33 @@ struct PrefillParams {
   int N, K, out_cols, out_f32, mats, n_tiles;
 };
 
+// moe_prefill_images' and moe_prefill_fp4's tiles int32 [n_tiles, 3] (expert, first pair, pairs)
+// from each expert's end among the pairs sorted by expert (ends, int64 [experts]): expert e's run
+// in pieces of up to PF_COLS pairs, in expert order, then rows of no pairs. One CTA, a thread an
+// expert (a power of two >= experts): each expert's tile count, their inclusive scan, then each
+// expert's own tiles. One launch, where torch took some twenty small ones.
+extern "C" __global__ void __launch_bounds__(1024) moe_prefill_tiles(const i64* ends, int* tiles, int experts, int n_tiles) {
+  pdl_begin();
+  __shared__ int scan[1024];
+  const int e = threadIdx.x;
+  const i64 start = e > 0 && e < experts ? ends[e - 1] : 0, end = e < experts ? ends[e] : 0;
+  const int per = (int)((end - start + PF_COLS - 1) / PF_COLS);
+  scan[e] = per;
+  __syncthreads();
+  for (int o = 1; o < blockDim.x; o <<= 1) {
+    const int before = e >= o ? scan[e - o] : 0;
+    __syncthreads();
+    scan[e] += before;
+    __syncthreads();
+  }
+  for (int j = 0, t = scan[e] - per; j < per; ++j, ++t) {
+    const i64 first = start + (i64)j * PF_COLS;
+    tiles[3 * t] = e, tiles[3 * t + 1] = (int)first, tiles[3 * t + 2] = (int)min((i64)PF_COLS, end - first);
+  }
+  for (int t = scan[blockDim.x - 1] + e; t < n_tiles; t += blockDim.x)
+    tiles[3 * t] = experts - 1, tiles[3 * t + 1] = 0, tiles[3 * t + 2] = 0;
+}
+
 // grid (K/128, tiles), 4 * PF_COLS threads: thread (pair c, k-step s) writes its 32 bytes of the image.
 extern "C" __global__ void __launch_bounds__(4 * PF_COLS) moe_prefill_images(const u8* xq, const float* sx, const int* x_row,
                                                                              const int* tiles, u8* images, int K) {

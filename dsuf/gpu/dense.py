@@ -18,6 +18,7 @@ import ctypes
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .runtime import device_arch, get_kernel, ptr
 
@@ -89,12 +90,11 @@ def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, scale: torch.Ten
     if device_arch(xq.device) != "sm_90a":
         x = (xq.to(torch.bfloat16).view(m, k // 128, 128) * sx.to(torch.bfloat16).unsqueeze(-1)).view(m, k)
         return torch.mm(x, fp8_weight_bf16(w, scale).t(), out_dtype=torch.float32).to(out_dtype)
-    pad = -m % 16
-    if pad:
-        xq = torch.cat((xq.view(torch.uint8), xq.new_zeros((pad, k), dtype=torch.uint8))).view(torch.float8_e4m3fn)
-        sx = torch.cat((sx, sx.new_ones((pad, sx.shape[1]))))
+    pad = -m % 16  # (one launch each for x and its scales, padded and M-major at once)
+    xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn) if pad else xq
+    scale_a = F.pad(sx.t(), (0, pad), value=1.0).t() if pad else sx.t().contiguous().t()
     w_scale = scale_f32 if scale_f32 is not None else mm_scale(scale)
-    return torch._scaled_mm(xq, w.t(), scale_a=sx.t().contiguous().t(), scale_b=w_scale.t(), out_dtype=out_dtype)[:m]
+    return torch._scaled_mm(xq, w.t(), scale_a=scale_a, scale_b=w_scale.t(), out_dtype=out_dtype)[:m]
 
 
 def swiglu(gate_up: torch.Tensor, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -144,18 +144,17 @@ def prefill_tiles(ends: torch.Tensor, pairs: int) -> torch.Tensor:
     """moe_prefill_fp4's tiles int32 [pairs // PREFILL_COLS + E, 3] (expert, first pair, pairs)
     from each expert's end among the pairs sorted by expert (int64 [E], on the device): expert e's
     run in pieces of up to PREFILL_COLS, in expert order, then rows of no pairs (the kernels skip
-    them). Made on the device, so that a prompt chunk's MoE never waits for the host: the row count
-    bounds the tiles whatever the routing."""
+    them). Made on the device (moe_prefill_tiles), so that a prompt chunk's MoE never waits for the
+    host: the row count bounds the tiles whatever the routing."""
     n_experts = ends.shape[0]
-    starts = torch.cat((ends.new_zeros(1), ends[:-1]))
-    per = (ends - starts + PREFILL_COLS - 1) // PREFILL_COLS  # tiles of each expert
-    tile_end = per.cumsum(0)
-    j = torch.arange(pairs // PREFILL_COLS + n_experts, device=ends.device)
-    expert = torch.searchsorted(tile_end, j, right=True)  # n_experts past the last tile
-    e = expert.clamp_max(n_experts - 1)
-    first = starts[e] + (j - tile_end[e] + per[e]) * PREFILL_COLS
-    cols = torch.where(expert < n_experts, (ends[e] - first).clamp(0, PREFILL_COLS), 0)
-    return torch.stack((e, first, cols), dim=1).int()
+    if ends.dtype != torch.int64 or ends.dim() != 1 or not 1 <= n_experts <= 1024:
+        raise ValueError(f"prefill_tiles: need int64 ends [1..1024 experts], got {ends.dtype} {tuple(ends.shape)}")
+    tiles = torch.empty((pairs // PREFILL_COLS + n_experts, 3), dtype=torch.int32, device=ends.device)
+    threads = max(32, 1 << (n_experts - 1).bit_length())
+    get_kernel("moe_prefill", "moe_prefill_tiles", ends.device)(
+        (1, 1, 1), threads, [ptr(ends.contiguous()), ptr(tiles), ctypes.c_int(n_experts), ctypes.c_int(tiles.shape[0])]
+    )
+    return tiles
 
 
 def prefill_images(xq: torch.Tensor, sx: torch.Tensor, x_row: torch.Tensor | None, tiles: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""How a prompt chunk's routed pairs are cut into moe_prefill_fp4's tiles (`dsuf.gpu.moe.prefill_tiles`):
-pure torch, made on the device so that the chunk's MoE never waits for the host, and specified
-here on the CPU. The pairs are sorted by expert; each expert's run is cut into tiles of at most
+"""How a prompt chunk's routed pairs are cut into moe_prefill_fp4's tiles (`dsuf.gpu.moe.prefill_tiles`,
+the kernel moe_prefill_tiles): made on the device so that the chunk's MoE never waits for the
+host. The pairs are sorted by expert; each expert's run is cut into tiles of at most
 PREFILL_COLS pairs, in expert order, and the rows after the last tile hold no pairs. The row count
 depends on the pair count alone (it sizes the launch before the routing is known on the host) and
 must hold the tiles of any routing."""
@@ -38,11 +38,11 @@ def routings() -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("name", list(routings()))
-def test_each_experts_run_in_tiles_of_at_most_prefill_cols_then_empty_rows(name: str) -> None:
+def test_each_experts_run_in_tiles_of_at_most_prefill_cols_then_empty_rows(name: str, cuda: torch.device) -> None:
     counts = routings()[name]
-    ends = torch.tensor(counts).cumsum(0)
+    ends = torch.tensor(counts).cumsum(0).to(cuda)
     pairs = sum(counts)
-    tiles = prefill_tiles(ends, pairs)
+    tiles = prefill_tiles(ends, pairs).cpu()
     assert tiles.dtype == torch.int32 and tuple(tiles.shape) == (pairs // PREFILL_COLS + EXPERTS, 3)
     want = expected_tiles(counts)
     assert tiles[: len(want)].tolist() == want
