@@ -83,14 +83,15 @@ def fp8_mm(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, scale: torch.Ten
     with uint8 E8M0 scales [N/128, K/128], transposed: [M, N] of out_dtype (bf16 or float32).
     cuBLAS block scaling takes the activations' scales M-major and the weight's as the transpose
     of the checkpoint's (scale_f32: mm_scale(scale), kept by a caller that multiplies by the
-    weight again), in whole 16-row tiles: other row counts run padded with zero rows.
+    weight again), and only row counts that are multiples of 4 (it refuses 1001 to 1003 rows and
+    takes 1000 and 1004, bit for bit as padded further): other row counts run padded with zero rows.
     Elsewhere than on Hopper (where cuBLAS may not take 128-blocks) the same products through
     exact bf16 copies of both."""
     m, k = xq.shape
     if device_arch(xq.device) != "sm_90a":
         x = (xq.to(torch.bfloat16).view(m, k // 128, 128) * sx.to(torch.bfloat16).unsqueeze(-1)).view(m, k)
         return torch.mm(x, fp8_weight_bf16(w, scale).t(), out_dtype=torch.float32).to(out_dtype)
-    pad = -m % 16  # (one launch each for x and its scales, padded and M-major at once)
+    pad = -m % 4  # (one launch each for x and its scales, padded and M-major at once)
     xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn) if pad else xq
     scale_a = F.pad(sx.t(), (0, pad), value=1.0).t() if pad else sx.t().contiguous().t()
     w_scale = scale_f32 if scale_f32 is not None else mm_scale(scale)
