@@ -382,8 +382,11 @@ class GpuModel:
         """Feed a prompt in chunks of up to prefill_rows rows, eagerly -> the logits after its
         last token, and the final streams of its last `tail` rows."""
         kept = torch.empty((0, self.config.hc_mult, self.config.dim), dtype=torch.bfloat16, device=self.device)
+        # One copy of the whole prompt: a copy from pageable memory waits for the stream, which
+        # a chunk's copy would make the host do for the chunk before it.
+        tokens = tokens.to(self.device, torch.int64)
         for lo in range(0, len(tokens), self.prefill_rows):
-            chunk = tokens[lo : lo + self.prefill_rows].to(self.device, torch.int64)
+            chunk = tokens[lo : lo + self.prefill_rows]
             n = chunk.shape[0]
             pos = torch.arange(seq.pos, seq.pos + n, device=self.device)
             x = self._layers(chunk, torch.full_like(pos, seq.slot), pos, None, chunk_start=seq.pos, last=max(tail, 1))
