@@ -499,9 +499,10 @@ def profile_chunk(model, vocab: int, n_tokens: int, show: bool) -> None:
 def prefill_seconds(model, n_tokens: int, vocab: int) -> tuple[float, float]:
     """Wall time of one prompt of n_tokens through forward_batch (the server's path: chunks of up
     to prefill_rows rows, or steps of PREFILL_CHUNK for a short prompt), after a warm-up prompt of
-    one chunk (kernels loaded, cuBLAS's choices for the chunk's shapes made), and the time the
-    host took to launch it (forward_batch's return: where it nears the wall time, the host, not
-    the GPU, bounds the prompt)."""
+    one chunk (kernels loaded, cuBLAS's choices for the chunk's shapes made), and the time until
+    forward_batch returned, its last launch queued: well short of the wall time, the GPU bounds
+    the prompt; close to it, the host's launches do, or the launch queue was full (a long prompt:
+    the host waits there for the GPU)."""
     import time
 
     warm = model.new_state()

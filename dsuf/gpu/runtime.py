@@ -121,7 +121,7 @@ class Kernel:
         self._grant_shared(shared, device)
         params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
         if not PDL:
-            (err,) = driver.cuLaunchKernel(self._function, *grid, block, 1, 1, shared, handle, ctypes.addressof(params), 0)
+            (err,) = driver.cuLaunchKernel(self._function, *grid, block, 1, 1, shared, driver.CUstream(handle), ctypes.addressof(params), 0)
             _check(err, f"cuLaunchKernel({self.name})")
             return
         (err,) = driver.cuLaunchKernelEx(self._config(grid, block, shared, handle), self._function, ctypes.addressof(params), 0)
