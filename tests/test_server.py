@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -199,6 +200,32 @@ def test_healthz_and_models(server, client):
         assert status == 200 and body["object"] == "list", body
         assert {"deepseek-v4-flash", "deepseek-chat"} <= {m["id"] for m in body["data"]}
         assert all(m["object"] == "model" for m in body["data"])
+
+
+def test_a_huge_prompt_being_tokenized_does_not_hold_up_other_requests(server):
+    """A prompt of over a million tokens (11 MB) takes the chat front end a second or more to
+    encode; that happens off the event loop, so a request sent meanwhile is answered first. The
+    huge request then gets its 400: it is far past the context."""
+    huge = json.dumps(user("lighthouse keeper " * 600_000)).encode()
+    done: list[str] = []
+
+    async def run() -> int:
+        async with aiohttp.ClientSession() as session:
+            async def chat() -> int:
+                async with session.post(server.url + "/v1/chat/completions", data=huge, headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+                    done.append("chat")
+                    return r.status
+
+            task = asyncio.create_task(chat())
+            await asyncio.sleep(0.3)  # the body is in (it takes a few ms here), its encoding under way
+            async with session.get(server.url + "/healthz") as r:
+                assert r.status == 200
+                done.append("healthz")
+            return await task
+
+    assert asyncio.run(run()) == 400
+    assert done == ["healthz", "chat"], done
 
 
 # -------------------------------------------------------------------- chat, greedy, streaming, thinking

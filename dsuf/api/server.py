@@ -92,7 +92,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return error_response(503, engine.failure or "the model is still loading", code="model_not_ready", headers={"Retry-After": "5"})
     body = await request.read()
     try:
-        prepared = chat.prepare(body)
+        # Off the event loop: the recipe's encoder releases the GIL, and a long prompt takes it
+        # long (a million tokens ~1.5 s), during which the other streams would stall.
+        prepared = await asyncio.to_thread(chat.prepare, body)
         params = sampling_params(prepared)
     except ChatError as exc:
         return web.json_response(exc.body(), status=exc.status)
