@@ -203,8 +203,8 @@ def test_prefill_gemm_sums_are_the_products_within_wgmma_precision(cuda, n, k, m
     sums of the same products (the act-quantised activations and the dequantised FP4 weights).
     Expert 0 has 300 pairs (tiles of 128, 128 and 44: the m64n64 steps), expert 3 64, expert 5 200
     (128 and 72: a partial m64n128 tile), expert 7 5 (a tile of one column group); the other
-    experts none. The four k-steps of a chunk are
-    summed in the tensor cores with each step's codes scaled exactly to the chunk's base (offsets
+    experts none. The four k-steps of a chunk are summed in the tensor cores with each step's
+    codes scaled exactly to the chunk's base (offsets
     up to 12 octaves here); wgmma keeps about 12 bits of a 32-product step's sum of |products| and
     of the chunk's running sum, so every element is within 1e-3 of its sum of |products|; a
     misplaced column, row, k order, offset or scale is off by about the whole sum. On a few CTAs
