@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .runtime import device_arch, get_kernel, ptr
 
-DENSE_MIN_ROWS = 512  # from this many rows an FP8 linear runs here rather than in the decode kernels
+DENSE_MIN_ROWS = 128  # from this many rows an FP8 linear runs here rather than in the decode kernels (short prompts' steps too)
 
 
 def fp8_weight_bf16(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from dsuf.model.layers import Rope
 
 from .attention import new_pool, pack_kv, sparse_attention
 from .compressor import compress_chunk, compress_decode
+from .dense import DENSE_MIN_ROWS
 from .gemv import bf16_gemv, bf16_gemv_takes, fp8_grouped_gemv
 from .indexer import INDEX_ENTRY_BYTES, index_query_fp4, index_scores, topk_indices
 from .linear import Fp8Linear, act_quant
@@ -71,7 +72,7 @@ def compressor_state(slots: int, ratio: int, width: int, device: torch.device) -
     return torch.zeros(shape, device=device), torch.full(shape, float("-inf"), device=device)
 
 
-PREFILL_CHUNK = 256  # rows of one sequence a step may hold: a prompt chunk reads the MoE weights once
+PREFILL_CHUNK = 512  # rows of one sequence a step may hold: a prompt chunk reads the MoE weights once
 
 
 def ring_size(c: ModelConfig) -> int:
@@ -381,8 +382,8 @@ class DecodeLayer:
 
     def _sender(self, tokens: int) -> Peers | None:
         """The peers to whom the kernel making this rank's part of a sublayer's output pushes it
-        (collective.sender), or None."""
-        return self.tp.collective.sender(tokens * self.c.dim * 2) if self.tp else None
+        (collective.sender), or None (also from DENSE_MIN_ROWS tokens: see _sum_expand)."""
+        return self.tp.collective.sender(tokens * self.c.dim * 2) if self.tp and tokens < DENSE_MIN_ROWS else None
 
     def _block_input(self, site: HcSite, b: dict, x: torch.Tensor, norm: torch.Tensor) -> tuple[BlockInput, torch.Tensor, Fp8Rows]:
         """A site's block input from the streams x, and the block's input y and its FP8 rows for
@@ -417,9 +418,12 @@ class DecodeLayer:
         if split:
             own = self.tp.collective.reduce_scatter(partial)
             return own, hc_expand(own, x, post, comb)
-        if self.tp:
+        if self.tp and partial.shape[0] < DENSE_MIN_ROWS:
             return self.tp.collective.all_reduce_expand(partial, x, post, comb, pushed)
-        return partial, hc_expand(partial, x, post, comb)
+        # Many rows (a short prompt's step): the collective's few CTAs would take ~20x hc_expand's
+        # time over the update's stream traffic (BENCHMARKS milestone 34), so only the sum is theirs.
+        total = self.tp.collective.all_reduce(partial) if self.tp else partial
+        return total, hc_expand(total, x, post, comb)
 
     def stages(self, cache: LayerCache, ix: StepIndex) -> list[Stage]:
         """The decode step of this layer as stages over a buffer dict: reads f"x{layer}" (bf16
@@ -503,7 +507,7 @@ class DecodeLayer:
             # The shared expert needs no routing: queued here it streams its weights beside the
             # selection (one CTA); queued before the scores it slowed them, queued after the
             # selection it ended after the routed w2 (BENCHMARKS milestones 20 and 27).
-            b[f"{L}.shared"], b[f"{L}.shared{READY}"] = self.moe.shared_alongside(*site.yq)
+            b[f"{L}.shared"], b[f"{L}.shared{READY}"] = self.moe.shared_alongside(*b[f"{L}.y2q"])
             b[f"{L}.route"] = self.router.select(scores, b["ids"])
 
         def moe_expand(b: dict) -> None:

@@ -51,7 +51,7 @@ PREFILL_THREADS = 288  # its CTA: 8 warps summing, one posting the copies (PF_TH
 PREFILL_SHARED_BYTES = 6 * (PREFILL_IMAGE_BYTES + 128 * 64) + 3 * 128 * 16  # its ring: PF_SLOTS chunks of B and of 128 weight rows, PF_SCALE_SLOTS of their scales
 PREFILL_OCTAVES = 12  # moe_prefill_fp4 scales a chunk's four k-steps' e4m3 codes by up to 2**12 (PfRowScale)
 GROUPED_MIN_TOKENS = 1024  # from here the experts' bf16 copy (read once) beats the FP4 kernels' passes of 8 tokens an expert
-PREFILL_MIN_TOKENS = 768  # and from here moe_prefill_fp4 does (20 layers, one H200: 512-token prompts -11 %, 768 +16 %)
+PREFILL_MIN_TOKENS = 256  # and from here moe_prefill_fp4 does, in step graphs too (BENCHMARKS milestone 34: from 128 it loses)
 EXPERT_COPY_BYTES = 2 << 30  # the bf16 copy is made this many bytes of experts at a time
 
 
@@ -250,8 +250,9 @@ class Moe:
     def decodes(self, tokens: int) -> bool:
         """Whether a call on this many tokens runs the decode kernels (else the prompt chunk's path,
         which runs the shared expert itself)."""
-        grouped = PREFILL_MIN_TOKENS if self._prefill_fp4() else GROUPED_MIN_TOKENS
-        return tokens < grouped or torch.cuda.is_current_stream_capturing()  # (the chunk's path syncs with the host once)
+        if self._prefill_fp4():  # (no host sync: a step graph may capture it)
+            return tokens < PREFILL_MIN_TOKENS
+        return tokens < GROUPED_MIN_TOKENS or torch.cuda.is_current_stream_capturing()  # (the bf16 path reads the experts' runs on the host)
 
     def shared_alongside(self, xq: torch.Tensor, sx: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
         """The shared expert on every token (x FP8-quantised), queued on the side stream after what

@@ -293,3 +293,38 @@ def test_moe_of_a_prompt_chunk(cuda, monkeypatch, moe_pair, wgmma):
     assert rel < 6e-3 and token_rel < 5e-2  # (H200: 2.0e-2 and 2.1e-2 at 792 and 1,048 tokens)
     assert len(fp4_chunks) == int(wgmma), "the chunk took the wrong path"
     assert torch.equal(kernel(x, weights, idx), out), "not deterministic"
+
+
+def test_a_step_graph_of_many_rows_captures_the_prompt_chunk_path(cuda, monkeypatch, moe_pair):
+    """A step of PREFILL_MIN_TOKENS rows or more (a short prompt's step, a large decode batch) runs
+    the routed experts by moe_prefill_fp4 inside its CUDA graph too: the path never waits for the
+    host (its tiles are made on the device), so the graph replayed on other tokens and routes gives
+    the bits of an eager call on them."""
+    from dsuf.gpu import moe as gpu_moe
+    from dsuf.gpu.moe import PREFILL_MIN_TOKENS
+    from dsuf.gpu.runtime import device_arch
+
+    if device_arch(cuda) != "sm_90a":
+        pytest.skip("moe_prefill_fp4 is sm_90a's")
+    kernel, moe = moe_pair
+    fp4_chunks = []
+    routed_prefill = gpu_moe.Moe._routed_prefill
+    monkeypatch.setattr(gpu_moe.Moe, "_routed_prefill", lambda self, *a: fp4_chunks.append(1) or routed_prefill(self, *a))
+    tokens = PREFILL_MIN_TOKENS + 40
+    x = random_activations(tokens, D, cuda)
+    weights, idx = moe.route(x, None)
+    kernel(x, weights, idx)  # (warm-up: the kernels loaded, the claims counter made)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel(x, weights, idx)
+    assert len(fp4_chunks) == 2, "the captured step took the decode kernels"
+    for _ in range(2):
+        fresh = random_activations(tokens, D, cuda)
+        fresh_weights, fresh_idx = moe.route(fresh, None)
+        for static, new in ((x, fresh), (weights, fresh_weights), (idx, fresh_idx)):
+            static.copy_(new)
+        graph.replay()
+        eager = kernel(fresh, fresh_weights, fresh_idx)
+        rel, _ = compare(f"MoE of {tokens} rows, graph replayed on fresh routes", out, reference_moe(moe, fresh, fresh_weights, fresh_idx))
+        assert rel < 6e-3
+        assert torch.equal(out, eager), "the replayed graph differs from the eager call"

@@ -253,21 +253,25 @@ def test_the_moe_pushes_its_output_and_the_all_reduce_only_sums_it(cuda, moe_pai
     assert ranks[0].sender(1 << 20) is not None and ranks[0].sender((1 << 20) + 16) is None
 
 
-SEED, PROMPT, DECODE = 7, 1200, 6  # a prompt for the prefill path (dense GEMMs; its rows split over the ranks, NCCL's reduce-scatters and gathers)
+SEED, DECODE = 7, 6
+# Prompts: one for the prefill path (dense GEMMs; its rows split over the ranks, NCCL's
+# reduce-scatters and gathers), one short enough for a step graph of more than DENSE_MIN_ROWS rows
+# (dense GEMMs, the grouped MoE, the sums by the IPC all-reduce, the mHC update after it).
+PROMPTS = pytest.mark.parametrize("prompt", [1200, 300], ids=["prefill chunk", "one step of 300 rows"])
 
 
-def _model_rank(rank: int, init: str, out: Path, tokens: torch.Tensor, shared_gpu: bool = False) -> None:
+def _model_rank(rank: int, init: str, out: Path, tokens: torch.Tensor, prompt: int, shared_gpu: bool = False) -> None:
     from dsuf.gpu.model import GpuModel, step_rows
     from dsuf.gpu.tp import slot_bytes, start
     from dsuf.gpu.weights import random_source
 
     device = torch.device("cuda", 0 if shared_gpu else rank)
     c = small_config()
-    slot = max(slot_bytes(c, WORLD, step_rows(4)), 2 * PROMPT * c.dim)  # (sharing a GPU, the prompt's all-reduces are the IPC kernels')
+    slot = max(slot_bytes(c, WORLD, step_rows(4)), 2 * prompt * c.dim)  # (sharing a GPU, the prompt's all-reduces are the IPC kernels')
     tp = start(rank, WORLD, init, device, "ipc", slot_bytes=slot, bulk=not shared_gpu)
     model = GpuModel(c, random_source(c, device, SEED, rank, WORLD), device, max_batch=4, max_context=4096, tp=tp)
     seq = model.new_state()
-    logits = [g.cpu() for g in gpu_logits(model, tokens, PROMPT, seq)]
+    logits = [g.cpu() for g in gpu_logits(model, tokens, prompt, seq)]
     state = model.export_state(seq)
     torch.save({"logits": logits, "state": state, "drawn": _served_tokens(model, tokens)}, out / f"rank{rank}.pt")
     dist.barrier()
@@ -290,22 +294,24 @@ def _served_tokens(model, tokens: torch.Tensor) -> list[int]:
     return drawn
 
 
-def test_a_model_split_over_two_gpus_computes_what_one_gpu_computes(tmp_path) -> None:
+@PROMPTS
+def test_a_model_split_over_two_gpus_computes_what_one_gpu_computes(tmp_path, prompt) -> None:
     """Same weights (random_source: every rank makes the whole of each part and keeps its shard),
     same tokens: the two ranks' logits and replicated states are identical bit for bit, and the
     logits and state follow the one-GPU model's as closely as the one-GPU model follows itself when
     1% of its embedding values move one bf16 ulp (a split changes summation orders, and this
     random-weight model is chaotic: see test_model)."""
     c = small_config()
-    tokens = torch.randint(0, c.vocab_size, (PROMPT + DECODE,))
-    _check_split(c, tokens, _spawn(_model_rank, tmp_path, tokens))
+    tokens = torch.randint(0, c.vocab_size, (prompt + DECODE,))
+    _check_split(c, tokens, prompt, _spawn(_model_rank, tmp_path, tokens, prompt))
 
 
-def test_a_model_split_over_two_ranks_sharing_one_gpu_computes_what_one_gpu_computes(tmp_path) -> None:
+@PROMPTS
+def test_a_model_split_over_two_ranks_sharing_one_gpu_computes_what_one_gpu_computes(tmp_path, prompt) -> None:
     """The same, with both ranks' processes on GPU 0."""
     c = small_config()
-    tokens = torch.randint(0, c.vocab_size, (PROMPT + DECODE,))
-    _check_split(c, tokens, _spawn(_model_rank, tmp_path, tokens, True, gpus=1))
+    tokens = torch.randint(0, c.vocab_size, (prompt + DECODE,))
+    _check_split(c, tokens, prompt, _spawn(_model_rank, tmp_path, tokens, prompt, True, gpus=1))
 
 
 def _split_chunk_rank(rank: int, init: str, out: Path, tokens: torch.Tensor) -> None:
@@ -349,7 +355,7 @@ def test_a_prompt_chunk_split_by_rows_over_the_ranks_computes_what_the_unsplit_c
     assert same > 0.9
 
 
-def _check_split(c, tokens: torch.Tensor, ranks: list[dict]) -> None:
+def _check_split(c, tokens: torch.Tensor, prompt: int, ranks: list[dict]) -> None:
     """The ranks' logits, draws and states agree bit for bit, and follow the one-GPU model's."""
     from dsuf.gpu.model import GpuModel
     from dsuf.gpu.weights import random_source
@@ -364,7 +370,7 @@ def _check_split(c, tokens: torch.Tensor, ranks: list[dict]) -> None:
 
     def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         seq = one.new_state()
-        logits = [g.cpu() for g in gpu_logits(one, tokens, PROMPT, seq)]
+        logits = [g.cpu() for g in gpu_logits(one, tokens, prompt, seq)]
         state = state_tensors(one.export_state(seq))
         one.free(seq)
         return logits, state
