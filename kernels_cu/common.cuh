@@ -320,6 +320,13 @@ DSUF_DEVICE float4 ld_cluster_f4(u32 addr, u32 rank) {
   return v;
 }
 
+// A double at a shared-memory address of CTA `rank` of the cluster.
+DSUF_DEVICE double ld_cluster_f64(u32 addr, u32 rank) {
+  double v;
+  asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(cluster_addr(addr, rank)) : "memory");
+  return v;
+}
+
 // A float into shared memory at an address of CTA `rank` of the cluster.
 DSUF_DEVICE void st_cluster_f32(u32 addr, u32 rank, float v) {
   asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(cluster_addr(addr, rank)), "f"(v) : "memory");

@@ -13,8 +13,8 @@
 //   hc_expand:       X'_k = f32(post_k * out) + f32(sum_j comb[j, k] X_j (float64)), to bf16;
 //                    grid (D / 2048, T), 256 threads x 8 dims.
 //   hc_chunk_mixes:  hc_mixes for a prompt chunk (64 tokens a CTA, on the float64 tensor cores);
-//                    hc_chunk_mixes_s2: the same over clusters of 2 CTAs, each with half of the
-//                    n*D values (a chunk of few tiles fills the SMs).
+//                    hc_chunk_mixes_s2/_s4/_s8: the same over clusters of 2, 4 or 8 CTAs, each
+//                    with a share of the n*D values (a chunk of few tiles fills the SMs).
 // At decode a site's block input rms_norm(hc_collapse(X, pre)) needs only the mixes and pre:
 // rmsnorm.cu's hc_block_input_bf16 makes the mixes and the block input in one launch (up to 8
 // tokens; beyond, hc_mixes and hc_pre_collapse_rmsnorm_bf16, which forms pre from the mixes), while
@@ -75,8 +75,8 @@ extern "C" __global__ void __launch_bounds__(MIX_THREADS) hc_mixes(
 // does not care. fn comes through shared memory as
 // float64, a chunk at a time in that fragment order (conflict-free 16-byte loads), converted once
 // a CTA. A lane also sums its values' squares (the RMS statistic), in float64 as hc_mixes.
-// With S > 1 the S CTAs of a cluster (grid y) take consecutive S-ths of the chunks, and ranks
-// 1 .. S-1 send their sums to rank 0's shared memory, which adds them in rank order.
+// With S > 1 the S CTAs of a cluster (grid y) take consecutive S-ths of the chunks, and rank 0
+// reads the others' sums from their shared memory and adds them in rank order.
 #define CM_WARPS 8
 #define CM_TOKENS 64
 #define CM_CHUNK 128
@@ -100,15 +100,15 @@ DSUF_DEVICE void bf16x8_to_f64(const uint4 v, double (&a)[8]) {
 template <int S>
 DSUF_DEVICE void chunk_mixes(const u16* __restrict__ x, const float* __restrict__ fn, float* __restrict__ mix, int L, int T, double eps) {
   // fs[buf][((nt * CM_GROUPS + g) * 4 + i) * 32 + lane]: values 8c + 2i, +1 of group g for the
-  // lane (row 8 nt + l/4, c = l%4): a lane's 16-byte loads of one i are consecutive.
-  // After the loop the same memory holds the second halves' sums: halves[mp][token][row], then
-  // their squares, then (S > 1, rank 0) the other ranks' sums, squares in column HC_MIXES (48 KB
-  // in all: the static limit).
+  // lane (row 8 nt + l/4, c = l%4): a lane's 16-byte loads of one i are consecutive (48 KB in
+  // all: the static limit). After the loop the same memory holds the second halves' sums:
+  // halves[mp][token][row], then their squares, then (S > 1) the CTA's sums, its squares in
+  // column HC_MIXES, for rank 0 of the cluster to read.
   __shared__ __align__(16) double2 fs[2][3 * CM_GROUPS * 4 * 32];
   auto halves = reinterpret_cast<double(*)[16][HC_MIXES + 1]>(&fs[0][0]);
   auto half_sq = reinterpret_cast<double(*)[16]>(halves + 4);
-  auto others = reinterpret_cast<double(*)[4][16][HC_MIXES + 1]>(half_sq + 4);
-  static_assert(sizeof(fs) >= sizeof(double) * 4 * 16 * (S * (HC_MIXES + 1) + 1), "the sums fit where fn was staged");
+  auto sums = reinterpret_cast<double(*)[16][HC_MIXES + 1]>(half_sq + 4);
+  static_assert(sizeof(fs) >= sizeof(double) * 4 * 16 * (2 * (HC_MIXES + 1) + 1), "the sums fit where fn was staged");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane & 3, mp = warp & 3, half = warp >> 2;
   const int part = S > 1 ? (int)cluster_ctarank() : 0;
   pdl_begin();
@@ -185,10 +185,7 @@ DSUF_DEVICE void chunk_mixes(const u16* __restrict__ x, const float* __restrict_
     sq[m] += __shfl_xor_sync(0xffffffffu, sq[m], 1);
     sq[m] += __shfl_xor_sync(0xffffffffu, sq[m], 2);
   }
-  if (S > 1)
-    cluster_sync();  // no CTA of the cluster reads its fn buffers any more (rank 0's take the others' sums)
-  else
-    __syncthreads();  // fn's buffers are no longer read
+  __syncthreads();  // fn's buffers are no longer read
   if (half) {  // the second half's sums to shared memory; the first half adds them
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
@@ -209,36 +206,36 @@ DSUF_DEVICE void chunk_mixes(const u16* __restrict__ x, const float* __restrict_
       for (int nt = 0; nt < 3; ++nt)
 #pragma unroll
         for (int i = 0; i < 2; ++i) acc[nt][2 * m + i] += halves[mp][t][nt * 8 + 2 * c + i];
-      if (S > 1 && part > 0) {  // to rank 0
-        double* to = others[part - 1][mp][t];
+      if (S > 1 && part > 0) {  // for rank 0 to read
 #pragma unroll
         for (int nt = 0; nt < 3; ++nt)
 #pragma unroll
-          for (int i = 0; i < 2; ++i) st_cluster_f64(smem_addr(to + nt * 8 + 2 * c + i), 0, acc[nt][2 * m + i]);
-        if (c == 0) st_cluster_f64(smem_addr(to + HC_MIXES), 0, sq[m]);
+          for (int i = 0; i < 2; ++i) sums[mp][t][nt * 8 + 2 * c + i] = acc[nt][2 * m + i];
+        if (c == 0) sums[mp][t][HC_MIXES] = sq[m];
       }
     }
   }
-  if (S > 1) cluster_sync();  // the other ranks' sums are in rank 0's shared memory
-  if (half || part > 0) return;
+  if (S > 1) cluster_sync();  // every rank's sums are in its shared memory
+  if (!half && part == 0) {
 #pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    const int t = 8 * m + (lane >> 2);
-    if (!in[m]) continue;
+    for (int m = 0; m < 2; ++m) {
+      const int t = 8 * m + (lane >> 2);
+      if (!in[m]) continue;
+      for (int p = 1; p < S; ++p) {
+        sq[m] += ld_cluster_f64(smem_addr(&sums[mp][t][HC_MIXES]), p);
 #pragma unroll
-    for (int p = 1; p < S; ++p) {
-      sq[m] += others[p - 1][mp][t][HC_MIXES];
+        for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) acc[nt][2 * m + i] += ld_cluster_f64(smem_addr(&sums[mp][t][nt * 8 + 2 * c + i]), p);
+      }
+      const float rs = (float)(1.0 / sqrt(sq[m] / L + eps));
 #pragma unroll
       for (int nt = 0; nt < 3; ++nt)
 #pragma unroll
-        for (int i = 0; i < 2; ++i) acc[nt][2 * m + i] += others[p - 1][mp][t][nt * 8 + 2 * c + i];
+        for (int i = 0; i < 2; ++i) mix[(i64)(tok0 + 8 * m) * HC_MIXES + nt * 8 + 2 * c + i] = __fmul_rn((float)acc[nt][2 * m + i], rs);
     }
-    const float rs = (float)(1.0 / sqrt(sq[m] / L + eps));
-#pragma unroll
-    for (int nt = 0; nt < 3; ++nt)
-#pragma unroll
-      for (int i = 0; i < 2; ++i) mix[(i64)(tok0 + 8 * m) * HC_MIXES + nt * 8 + 2 * c + i] = __fmul_rn((float)acc[nt][2 * m + i], rs);
   }
+  if (S > 1) cluster_sync();  // rank 0 has read the others' shared memory, which goes with their CTAs
 }
 
 extern "C" __global__ void __launch_bounds__(32 * CM_WARPS, 1) hc_chunk_mixes(
@@ -246,10 +243,14 @@ extern "C" __global__ void __launch_bounds__(32 * CM_WARPS, 1) hc_chunk_mixes(
   chunk_mixes<1>(x, fn, mix, L, T, eps);
 }
 
-extern "C" __global__ void __cluster_dims__(1, 2, 1) __launch_bounds__(32 * CM_WARPS, 1) hc_chunk_mixes_s2(
-    const u16* __restrict__ x, const float* __restrict__ fn, float* __restrict__ mix, int L, int T, double eps) {
-  chunk_mixes<2>(x, fn, mix, L, T, eps);
-}
+#define CHUNK_MIXES_CLUSTER(S)                                                                                          \
+  extern "C" __global__ void __cluster_dims__(1, S, 1) __launch_bounds__(32 * CM_WARPS, 1) hc_chunk_mixes_s##S(         \
+      const u16* __restrict__ x, const float* __restrict__ fn, float* __restrict__ mix, int L, int T, double eps) {    \
+    chunk_mixes<S>(x, fn, mix, L, T, eps);                                                                              \
+  }
+CHUNK_MIXES_CLUSTER(2)
+CHUNK_MIXES_CLUSTER(4)
+CHUNK_MIXES_CLUSTER(8)
 
 extern "C" __global__ void __launch_bounds__(32) hc_coefficients(
     const float* __restrict__ mix, const float* __restrict__ scale, const float* __restrict__ base,

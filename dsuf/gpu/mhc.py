@@ -3,8 +3,8 @@ coefficients (`layers.HyperConnection.coefficients`), the block input it collaps
 into (`HcSite.block_input`: rms_norm(hc_collapse(x, pre))) and the stream update
 (`layers.hc_expand`), numerically the reference's (float64 sums, float32 rounding where it
 rounds). A prompt chunk's mixes come from hc_chunk_mixes (64 tokens a CTA, on the float64
-tensor cores; a chunk of few tiles, e.g. a rank's share of a split chunk, over clusters of two CTAs
-that share a tile's values), which beats the per-token kernel there."""
+tensor cores; a chunk of few tiles, e.g. a short prompt's step or a rank's share of a split chunk,
+over clusters of up to eight CTAs that share a tile's values), which beats the per-token kernel there."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from .dense import DENSE_MIN_ROWS
-from .linear import sm_count
 from .norm import HC_FUSED_TOKENS, Fp8Rows, fp8_rows, hc_block_input, hc_collapse_rms_norm, hc_pre_collapse_rms_norm
 from .runtime import get_kernel, ptr
 
@@ -23,7 +22,9 @@ HC_N = 4  # streams (hc_mult); the kernels are written for 4
 MIX_THREADS = 512  # mirror of mhc.cu
 MIX_TOKEN_GROUPS = 8  # hc_mixes: CTAs a row of fn (each takes every 8th token)
 CHUNK_MIX_TOKENS = 64  # hc_chunk_mixes: tokens a CTA (CM_TOKENS in mhc.cu)
+CHUNK_MIX_THREADS = 256  # ... its threads (32 * CM_WARPS)
 CHUNK_MIX_VALUES = 128  # ... fn values a row staged at a time (CM_CHUNK)
+CHUNK_MIX_CLUSTERS = (8, 4, 2, 1)  # ... CTAs a tile it may take (its cluster kernels)
 FUSED_BLOCK_INPUT = True  # decode sites' mixes and block input in one launch (tests compare both ways)
 
 
@@ -90,10 +91,13 @@ class HcSite:
             raise ValueError(f"hc_chunk_mixes: n * D must be a multiple of {CHUNK_MIX_VALUES}, got {n * d}")
         mix = torch.empty((t, self.fn.shape[0]), dtype=torch.float32, device=x.device)
         tiles = math.ceil(t / CHUNK_MIX_TOKENS)
-        per_tile = 2 if 2 * tiles <= sm_count(x.device) else 1  # CTAs a tile (a CTA an SM: more would queue)
-        get_kernel("mhc", "hc_chunk_mixes_s2" if per_tile == 2 else "hc_chunk_mixes", x.device)(
-            (tiles, per_tile, 1), 256, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(n * d), ctypes.c_int(t), ctypes.c_double(self.norm_eps)]
-        )
+        # CTAs a tile: as many as run at once, a CTA an SM (a CTA takes ~90 µs for its tile's 64
+        # tokens whatever the chunk's length, so a chunk of few tiles would leave SMs idle).
+        for per_tile in CHUNK_MIX_CLUSTERS:
+            kernel = get_kernel("mhc", f"hc_chunk_mixes_s{per_tile}" if per_tile > 1 else "hc_chunk_mixes", x.device)
+            if per_tile == 1 or (per_tile * CHUNK_MIX_VALUES <= n * d and tiles <= kernel.max_active_clusters(per_tile, CHUNK_MIX_THREADS, x.device)):
+                break
+        kernel((tiles, per_tile, 1), CHUNK_MIX_THREADS, [ptr(x), ptr(self.fn), ptr(mix), ctypes.c_int(n * d), ctypes.c_int(t), ctypes.c_double(self.norm_eps)])
         return mix
 
     def _mixes(self, x: torch.Tensor) -> torch.Tensor:

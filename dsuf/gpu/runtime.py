@@ -85,6 +85,7 @@ class Kernel:
         # Launch configurations by (grid, block, shared bytes, stream): a prompt chunk launches
         # ~1,300 kernels from Python, and its host time, not the GPU's, bounds mid-size prompts.
         self._configs: dict[tuple, object] = {}
+        self._clusters: dict[tuple[int, int, int], int] = {}  # (cluster CTAs, threads, device) -> clusters at once
 
     def _grant_shared(self, nbytes: int, device: int) -> None:
         """Raise the kernel's dynamic shared-memory limit on `device` to at least nbytes (opted in
@@ -126,6 +127,23 @@ class Kernel:
             return
         (err,) = driver.cuLaunchKernelEx(self._config(grid, block, shared, handle), self._function, ctypes.addressof(params), 0)
         _check(err, f"cuLaunchKernelEx({self.name})")
+
+    def max_active_clusters(self, cluster: int, block: int, device: torch.device | int | None = None) -> int:
+        """How many clusters of `cluster` CTAs (the kernel's compiled cluster size along y) of
+        `block` threads the device runs at once: where SMs come in GPCs of different sizes, fewer
+        than its SMs over `cluster`, and a launch of more takes a second wave."""
+        index = device_index(device)
+        key = (cluster, block, index)
+        if key not in self._clusters:
+            driver = _driver()
+            config = driver.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = 1, cluster, 1
+            config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+            config.hStream = driver.CUstream(torch.cuda.current_stream(index).cuda_stream)
+            err, n = driver.cuOccupancyMaxActiveClusters(self._function, config)
+            _check(err, f"cuOccupancyMaxActiveClusters({self.name})")
+            self._clusters[key] = n
+        return self._clusters[key]
 
     def _config(self, grid: tuple[int, int, int], block: int, shared: int, stream: int):
         """The CUlaunchConfig of a programmatic dependent launch, made once per shape and stream."""

@@ -44,19 +44,29 @@ def test_hc_coefficients(cuda, tokens):
     assert_coefficients_close(got, ref, f"x {tokens}")
 
 
-def test_a_chunks_mixes_over_clusters_of_two_ctas_are_one_ctas(cuda, monkeypatch):
+@pytest.mark.parametrize("ctas", [2, 4, 8])
+def test_a_chunks_mixes_over_clusters_of_ctas_are_one_ctas(cuda, monkeypatch, ctas):
     """A prompt chunk of few 64-token tiles (here 10: the SMs would idle) has each tile's mixes
-    summed by two CTAs of a cluster, a half of the values each, rank 0 adding rank 1's sums: the
-    float64 sums in another order, so the float32 mixes within an ulp of one CTA a tile's."""
+    summed by a cluster of CTAs, a share of the values each, rank 0 adding the others' sums in rank
+    order: the float64 sums in another order, so the float32 mixes within an ulp of one CTA a
+    tile's. The clusters are as large as let every tile's run at once (the driver's occupancy)."""
     fn, base, scale = site(cuda)
     x = streams(600, cuda)
     hc = HcSite(fn, base, scale, EPS, HC_EPS, ITERS)
-    two = hc._chunk_mixes(x)
-    monkeypatch.setattr(gpu_mhc, "sm_count", lambda device=None: 1)  # no room for a second CTA a tile
+    launched = []
+    get_kernel = gpu_mhc.get_kernel
+    monkeypatch.setattr(gpu_mhc, "get_kernel", lambda module, name, device: launched.append(name) or get_kernel(module, name, device))
+    at_once = get_kernel("mhc", f"hc_chunk_mixes_s{ctas}", cuda).max_active_clusters(ctas, gpu_mhc.CHUNK_MIX_THREADS, cuda)
+    print(f"\n  clusters of {ctas} CTAs at once: {at_once} ({ctas * at_once} of {torch.cuda.get_device_properties(cuda).multi_processor_count} SMs)")
+    assert 10 <= at_once <= torch.cuda.get_device_properties(cuda).multi_processor_count // ctas
+    monkeypatch.setattr(gpu_mhc, "CHUNK_MIX_CLUSTERS", (ctas, 1))
+    split = hc._chunk_mixes(x)
+    monkeypatch.setattr(gpu_mhc, "CHUNK_MIX_CLUSTERS", (1,))
     one = hc._chunk_mixes(x)
-    ulps = ((two.double() - one.double()).abs() / (one.double().abs() * 2.0**-23)).max()
-    print(f"\n  chunk mixes, clusters of two vs a CTA a tile: max {float(ulps):.1f} float32 ulp, {(two == one).float().mean():.4f} equal")
-    assert float(ulps) <= 1.0 and (two == one).float().mean() > 0.9
+    assert launched == [f"hc_chunk_mixes_s{ctas}", "hc_chunk_mixes"]
+    ulps = ((split.double() - one.double()).abs() / (one.double().abs() * 2.0**-23)).max()
+    print(f"  chunk mixes, clusters of {ctas} vs a CTA a tile: max {float(ulps):.1f} float32 ulp, {(split == one).float().mean():.4f} equal")
+    assert float(ulps) <= 1.0 and (split == one).float().mean() > 0.9
 
 
 # 1, 3 and 8: decode (mixes and block input in one launch); 20: more tokens than hc_mixes has CTAs
