@@ -409,6 +409,32 @@ DSUF_DEVICE void wgmma_e4m3_rs(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u64 d
 // issued: the caller fences before it, commits, waits (wgmma_wait_for<N>) and then pins D and the
 // register operands, which the tensor cores use until then.
 template <bool ACC>
+DSUF_DEVICE void wgmma_e4m3_n16_issue(float (&d)[8], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "n"(ACC ? 1 : 0));
+#else
+  __trap();  // the host picks the wgmma kernels on sm_90a only
+#endif
+}
+
+template <bool ACC>
+DSUF_DEVICE void wgmma_e4m3_n32_issue(float (&d)[16], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "n"(ACC ? 1 : 0));
+#else
+  __trap();  // the host picks the wgmma kernels on sm_90a only
+#endif
+}
+
+template <bool ACC>
 DSUF_DEVICE void wgmma_e4m3_n64_issue(float (&d)[32], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc_b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(

@@ -15,7 +15,7 @@
 // tiles' images and experts whatever each item costs, and its ring of chunks runs on from one
 // item into the next: the next item's first chunks land while this one's last are summed and its
 // outputs stored, and the ring fills once a CTA, not once an item. Two warpgroups take 64 rows each, m64n128k32 steps
-// (m64n64k32 for a tile of at most 64 pairs). A warpgroup converts a chunk's A, runs its four
+// (m64n64k32, m64n32k32 or m64n16k32 for a tile of at most 64, 32 or 16 pairs). A warpgroup converts a chunk's A, runs its four
 // steps back to back and promotes; ptxas would serialise wgmmas whose A registers other
 // instructions write while they run, so the other warpgroup is what overlaps. A ring of PF_SLOTS
 // slots holds chunks (the B image by a bulk copy, the 128 rows' FP4 weights by a TMA box, PF_SLOTS
@@ -189,12 +189,16 @@ template <bool ACC, int NP>
 DSUF_DEVICE void pf_issue(float (&d)[NP / 2], const u32 (&a)[4], u64 desc) {
   if constexpr (NP == 128) {
     wgmma_e4m3_n128_issue<ACC>(d, a[0], a[1], a[2], a[3], desc);
-  } else {
+  } else if constexpr (NP == 64) {
     wgmma_e4m3_n64_issue<ACC>(d, a[0], a[1], a[2], a[3], desc);
+  } else if constexpr (NP == 32) {
+    wgmma_e4m3_n32_issue<ACC>(d, a[0], a[1], a[2], a[3], desc);
+  } else {
+    wgmma_e4m3_n16_issue<ACC>(d, a[0], a[1], a[2], a[3], desc);
   }
 }
 
-// An item's GEMM over its tile's NP (64 or 128) first columns, its chunks the CTA's q0..q0 + KC - 1;
+// An item's GEMM over its tile's NP (16, 32, 64 or 128) first columns, its chunks the CTA's q0..q0 + KC - 1;
 // acc[4j + q]: row r0 (q < 2) or r0 + 8, pair column 8j + 2t + (q & 1).
 template <int NP>
 DSUF_DEVICE void pf_gemm(const PrefillParams& p, const PfRing& ring, const PfItem& it, int q0, int r0) {
@@ -276,10 +280,14 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) moe_prefill_fp4(cons
     mbar_wait(&ring.full[i * KC % PF_SLOTS], (i * KC / PF_SLOTS) & 1);
     const PfItem it = items[i % PF_ITEM_SLOTS];
     if (it.cols <= 0) break;
-    if (it.cols > 64) {
+    if (it.cols > 64) {  // (a short prompt's tiles hold a few pairs of their expert: no wider steps than they need)
       pf_gemm<128>(p, ring, it, i * KC, r0);
-    } else {
+    } else if (it.cols > 32) {
       pf_gemm<64>(p, ring, it, i * KC, r0);
+    } else if (it.cols > 16) {
+      pf_gemm<32>(p, ring, it, i * KC, r0);
+    } else {
+      pf_gemm<16>(p, ring, it, i * KC, r0);
     }
   }
 }

@@ -199,13 +199,13 @@ def spread_fp4_weight(experts: int, n: int, k: int, device: torch.device) -> tup
 )
 def test_prefill_gemm_sums_are_the_products_within_wgmma_precision(cuda, n, k, mats, ctas):
     """moe_prefill_fp4 alone (sm_90a): gate and up (or one matrix: a tensor-parallel rank's down,
-    K = 1024 or 512) of 569 pairs of four experts against the float64
-    sums of the same products (the act-quantised activations and the dequantised FP4 weights).
-    Expert 0 has 300 pairs (tiles of 128, 128 and 44: the m64n64 steps), expert 3 64, expert 5 200
-    (128 and 72: a partial m64n128 tile), expert 7 5 (a tile of one column group); the other
-    experts none. The four k-steps of a chunk are summed in the tensor cores with each step's
-    codes scaled exactly to the chunk's base (offsets
-    up to 12 octaves here); wgmma keeps about 12 bits of a 32-product step's sum of |products| and
+    K = 1024 or 512) of 667 pairs of eight experts against the float64 sums of the same products
+    (the act-quantised activations and the dequantised FP4 weights). Expert 0 has 300 pairs
+    (tiles of 128, 128 and 44: the m64n64 steps), expert 5 200 (128 and 72: a partial m64n128
+    tile), experts 6, 3, 4, 1, 2 and 7 33, 64, 32, 17, 16 and 5 (either side of the m64n64,
+    m64n32 and m64n16 steps' bounds; 5: one column group). The four k-steps of a chunk are summed
+    in the tensor cores with each step's codes scaled exactly to the chunk's base (offsets up to
+    12 octaves here); wgmma keeps about 12 bits of a 32-product step's sum of |products| and
     of the chunk's running sum, so every element is within 1e-3 of its sum of |products|; a
     misplaced column, row, k order, offset or scale is off by about the whole sum. On a few CTAs
     each takes dozens of items (tile, matrix, 128 rows) through one ring of chunks, which runs on
@@ -217,7 +217,7 @@ def test_prefill_gemm_sums_are_the_products_within_wgmma_precision(cuda, n, k, m
         pytest.skip("wgmma is sm_90a's")
     mats = [spread_fp4_weight(EXPERTS, n, k, cuda) for _ in range(mats)]
     assert all(chunk_exponents_fit(w, s) for w, s in mats)
-    runs = {0: 300, 3: 64, 5: 200, 7: 5}
+    runs = {0: 300, 1: 17, 2: 16, 3: 64, 4: 32, 5: 200, 6: 33, 7: 5}
     bounds = [0]
     for e in range(EXPERTS):
         bounds.append(bounds[-1] + runs.get(e, 0))
