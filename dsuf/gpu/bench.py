@@ -408,16 +408,16 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
                 say(f"    MTP draft of {batch * k} rows: {d_us:.1f} µs; tokens/s a step plus a draft would give if this share of "
                     f"drafts were accepted (k - 1 = {k - 1} a step; random weights accept none): {projected}", flush=True)
         for n_tokens in prompts_for(args.prefill, args.context, ctx):
-            seconds, host = prefill_seconds(model, n_tokens, c.vocab_size)
+            seconds, host, mallocs = prefill_seconds(model, n_tokens, c.vocab_size)
             if args.profile and not prefills:
                 profile_chunk(model, c.vocab_size, n_tokens, show=rank == 0)
             if args.trace is not None and not prefills:
                 save = Path(args.trace).with_name(Path(args.trace).stem + "-prefill.json") if args.trace and rank == 0 else None
                 spans = trace_spans(prefill_chunk(model, c.vocab_size, n_tokens), save)
                 say(f"\nwhere one prefill chunk of {min(n_tokens, model.prefill_rows)} tokens goes (rank 0):\n{report(analyse(spans))}\n", flush=True)
-            prefills.append((n_tokens, ctx, seconds, host))
+            prefills.append((n_tokens, ctx, seconds, host, mallocs))
             say(f"  prefill of a {n_tokens}-token prompt (context {ctx}): {seconds:.2f} s = {n_tokens / seconds:.0f} tokens/s "
-                f"(the host's launches {host:.3f} s)", flush=True)
+                f"(the host's launches {host:.3f} s; {mallocs} cudaMalloc calls)", flush=True)
         del model
         torch.cuda.empty_cache()
     say(f"\n### dsuf bench --model{f' --shard-of {world}' if alone else f' --tp {world}' if tp else ''}: embedding + {n} V4-Flash layers + head, one CUDA graph per step "
@@ -441,9 +441,9 @@ def bench_model(c: ModelConfig, args: argparse.Namespace, device: torch.device, 
         typ_us, typ_rate = (f"{typical:.1f}", f"{tokens / typical:.0f}") if typical else ("—", "—")
         say(f"| {batch} | {ctx} | {us:.1f} | {typ_us} | {tokens / us:.0f} | {typ_rate} | {nbytes / 1e6:.0f} | {floor:.1f} | {us / floor:.1f} | {coll:.0f} |")
     if prefills:
-        say("\n| prompt tokens | context | prefill s | tokens/s | host's launches s |\n|---|---|---|---|---|")
-        for n_tokens, ctx, seconds, host in prefills:
-            say(f"| {n_tokens} | {ctx} | {seconds:.3f} | {n_tokens / seconds:.0f} | {host:.3f} |")
+        say("\n| prompt tokens | context | prefill s | tokens/s | host's launches s | cudaMalloc calls |\n|---|---|---|---|---|---|")
+        for n_tokens, ctx, seconds, host, mallocs in prefills:
+            say(f"| {n_tokens} | {ctx} | {seconds:.3f} | {n_tokens / seconds:.0f} | {host:.3f} | {mallocs} |")
     return 0
 
 
@@ -496,13 +496,15 @@ def profile_chunk(model, vocab: int, n_tokens: int, show: bool) -> None:
     profiled(prefill_chunk(model, vocab, n_tokens), f"one prefill chunk of {min(n_tokens, model.prefill_rows)} tokens, rank 0", show)
 
 
-def prefill_seconds(model, n_tokens: int, vocab: int) -> tuple[float, float]:
+def prefill_seconds(model, n_tokens: int, vocab: int) -> tuple[float, float, int]:
     """Wall time of one prompt of n_tokens through forward_batch (the server's path: chunks of up
     to prefill_rows rows, or steps of PREFILL_CHUNK for a short prompt), after a warm-up prompt of
     one chunk (kernels loaded, cuBLAS's choices for the chunk's shapes made), and the time until
     forward_batch returned, its last launch queued: well short of the wall time, the GPU bounds
     the prompt; close to it, the host's launches do, or the launch queue was full (a long prompt:
-    the host waits there for the GPU)."""
+    the host waits there for the GPU). Also how many segments torch's allocator asked the driver
+    for meanwhile (cudaMalloc waits for the GPU: a prompt that needs them is not host-bound by its
+    launches alone)."""
     import time
 
     warm = model.new_state()
@@ -511,12 +513,14 @@ def prefill_seconds(model, n_tokens: int, vocab: int) -> tuple[float, float]:
     seq = model.new_state()
     prompt = torch.randint(0, vocab, (n_tokens,))
     torch.cuda.synchronize()
+    mallocs = torch.cuda.memory_stats()["num_device_alloc"]
     began = time.perf_counter()
     model.forward_batch([(prompt, seq)])
     launched = time.perf_counter()
     torch.cuda.synchronize()
+    mallocs = torch.cuda.memory_stats()["num_device_alloc"] - mallocs
     model.free(seq)
-    return time.perf_counter() - began, launched - began
+    return time.perf_counter() - began, launched - began, mallocs
 
 
 def collective_us(c: ModelConfig, tp: TensorParallel, batch: int, reps: int) -> float:
