@@ -74,6 +74,16 @@ def _pdl_attribute():
     return attr
 
 
+def _launch_config(grid: tuple[int, int, int], block: int, shared: int, stream: int):
+    """A CUlaunchConfig of this shape on `stream` (a raw handle), without attributes."""
+    driver = _driver()
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes, config.hStream = shared, driver.CUstream(stream)
+    return config
+
+
 class Kernel:
     """One `extern "C"` kernel of a loaded library."""
 
@@ -135,12 +145,8 @@ class Kernel:
         index = device_index(device)
         key = (cluster, block, index)
         if key not in self._clusters:
-            driver = _driver()
-            config = driver.CUlaunchConfig()
-            config.gridDimX, config.gridDimY, config.gridDimZ = 1, cluster, 1
-            config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
-            config.hStream = driver.CUstream(torch.cuda.current_stream(index).cuda_stream)
-            err, n = driver.cuOccupancyMaxActiveClusters(self._function, config)
+            config = _launch_config((1, cluster, 1), block, 0, torch.cuda.current_stream(index).cuda_stream)
+            err, n = _driver().cuOccupancyMaxActiveClusters(self._function, config)
             _check(err, f"cuOccupancyMaxActiveClusters({self.name})")
             self._clusters[key] = n
         return self._clusters[key]
@@ -152,11 +158,7 @@ class Kernel:
         if config is None:
             if len(self._configs) >= 256:  # prompt chunks of many sizes: keep the recent shapes
                 self._configs.clear()
-            driver = _driver()
-            config = driver.CUlaunchConfig()
-            config.gridDimX, config.gridDimY, config.gridDimZ = grid
-            config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
-            config.sharedMemBytes, config.hStream = shared, driver.CUstream(stream)
+            config = _launch_config(grid, block, shared, stream)
             config.attrs, config.numAttrs = [_pdl_attribute()], 1
             self._configs[key] = config
         return config
