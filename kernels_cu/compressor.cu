@@ -18,8 +18,8 @@
 // score -inf.
 //
 // grid (width / 64, R) in clusters of width / 64 CTAs, one cluster per run of rows (a row, or
-// the rows of one sequence at consecutive positions, taken in order); a CTA pools 64
-// channels: 16 threads of 4 channels times LN slot lanes. CTA 0 of the cluster gathers the pooled
+// the rows of one sequence at consecutive positions, taken in order; those that complete no group
+// together); a CTA pools 64 channels: 16 threads of 4 channels times LN slot lanes. CTA 0 of the cluster gathers the pooled
 // bf16 row from its peers' shared memory, normalises, rotates and writes the entry.
 //
 // A prompt chunk (the kernels NAME_chunk: rows at positions chunk_first .. chunk_first + chunk_rows
@@ -343,14 +343,45 @@ DSUF_DEVICE void compress_chunk_pass(const CompressParams& p) {
     compress_row<WIDTH, RATIO, LN, true>(p, RATIO - 1 - p.chunk_first % RATIO + (int)blockIdx.y * RATIO);
 }
 
-// A cluster's rows one after another: rows of one sequence (one state) must join it in position order.
+// The first of rows b .. end - 1 that completes a group or is padding (end if none): the rows
+// before it only join the state. Every warp finds the same one.
+template <int RATIO>
+DSUF_DEVICE int next_entry_row(const int* pos, int b, int end) {
+  for (int base = b; base < end; base += 32) {
+    const int r = base + (threadIdx.x & 31);
+    const int q = r < end ? pos[r] : 0;
+    const u32 m = __ballot_sync(0xffffffffu, r < end && (q < 0 || q % RATIO == RATIO - 1));
+    if (m) return base + __ffs(m) - 1;
+  }
+  return end;
+}
+
+// A cluster's rows in order: rows of one sequence (one state) must join it in position order. The
+// rows between two that complete a group write only their own state rows (a run's positions are
+// consecutive: no two of them share one), so they go at once, a row for every 16 threads a half
+// (compress_row's first branch, spread over the CTA); a row that completes a group waits for
+// them, and the rows after it for its state moves.
 template <int WIDTH, int RATIO, int LN>
 DSUF_DEVICE void compress_step(const CompressParams& p) {
+  constexpr int C = RATIO == 4 ? 2 * WIDTH : WIDTH, CUR = RATIO == 4 ? RATIO : 0, PER_ROW = 16 * (C / WIDTH), NT = 16 * LN;
   const int first = p.runs ? p.runs[blockIdx.y] : (int)blockIdx.y;
   const int end = p.runs ? p.runs[blockIdx.y + 1] : (int)blockIdx.y + 1;
-  for (int b = first; b < end; ++b) {
-    compress_row<WIDTH, RATIO, LN, false>(p, b);
-    __syncthreads();  // this row's state writes before the next row's reads (other threads' lanes)
+  const int col = (threadIdx.x % PER_ROW) / 16 * WIDTH + blockIdx.x * CH + 4 * (threadIdx.x & 15);
+  for (int b = first; b < end;) {
+    const int stop = next_entry_row<RATIO>(p.pos, b, end);
+    for (int r = b + (int)threadIdx.x / PER_ROW; r < stop; r += NT / PER_ROW) {
+      const int phase = p.pos[r] % RATIO;
+      const i64 row = p.state_row ? p.state_row[r] : (i64)r;
+      float* st_kv = p.state_kv + row * (RATIO == 4 ? 2 * RATIO : RATIO) * C;
+      float* st_score = p.state_score + row * (RATIO == 4 ? 2 * RATIO : RATIO) * C;
+      st4(st_kv + (CUR + phase) * C + col, ld4(p.kv + r * p.kv_stride + col));
+      st4(st_score + (CUR + phase) * C + col, add4(ld4(p.score + r * p.score_stride + col), ld4(p.ape + phase * C + col)));
+    }
+    if (stop == end) break;
+    __syncthreads();  // the group's state rows, written by other threads, before it is pooled
+    compress_row<WIDTH, RATIO, LN, false>(p, stop);
+    __syncthreads();  // its state moves before the next rows' writes
+    b = stop + 1;
   }
 }
 
