@@ -22,12 +22,15 @@
 // together); a CTA pools 64 channels: 16 threads of 4 channels times LN slot lanes. CTA 0 of the cluster gathers the pooled
 // bf16 row from its peers' shared memory, normalises, rotates and writes the entry.
 //
-// A prompt chunk (the kernels NAME_chunk: rows at positions chunk_first .. chunk_first + chunk_rows
-// - 1 of the sequence whose state is state_row[0]) runs its groups in parallel, cluster y pooling the
-// y-th group the chunk completes: a slot's row comes straight from the chunk's projections (score
-// + ape, as the state would hold it) or, for positions before the chunk, from the sequence's state,
-// which this pass only reads. A second launch with chunk_state set (one cluster) then writes the
-// state the chunk leaves, as its rows applied in order would.
+// The kernels NAME_chunk run the groups of many rows in parallel: a prompt chunk's (pos null: rows
+// at positions chunk_first .. chunk_first + chunk_rows - 1 of the sequence whose state is
+// state_row[0]; cluster y pools the y-th group the chunk completes) or a step's (pos set:
+// chunk_rows rows, each sequence's side by side at consecutive positions; cluster y takes row y if
+// it completes a group). A slot's row comes straight from the launch's projections (score + ape,
+// as the state would hold it) where its position is one of the sequence's rows there, else from
+// the sequence's state, which this pass only reads. A second launch with chunk_state set then
+// writes the state each sequence's rows leave (a cluster a sequence: the chunk's, or a step's
+// cluster y if row y is its sequence's last), as its rows applied in order would.
 #include "cache_entries.cuh"
 
 #define NEG_INF __int_as_float(0xff800000)
@@ -51,7 +54,7 @@ struct CompressParams {
   double eps;
   const i64* state_row;  // [B] or null: row b's state is state[state_row[b]] (else state[b])
   const int* runs;       // [R + 1] or null: cluster y takes rows runs[y] .. runs[y + 1] - 1 in order (else row y)
-  int chunk_first;       // NAME_chunk: the chunk's first position and rows (pos, runs unused)
+  int chunk_first;       // NAME_chunk: a chunk's first position (pos null), and its rows or the step's
   int chunk_rows;
   int chunk_state;       // NAME_chunk's second pass: write the state the chunk leaves
 };
@@ -75,20 +78,34 @@ DSUF_DEVICE u16 ld_peer_u16(const u16* local, u32 rank) {
   return v;
 }
 
-// A prompt chunk's position P at channels col .. col + 3 as the state holds it (kv, score + ape):
-// the chunk's row P - chunk_first, else the sequence's state from before the chunk (its current
-// group's rows from CUR, the previous group's from 0); before position 0, an empty row.
+// NAME_chunk's rows: row b's position and state row.
+DSUF_DEVICE int chunk_pos(const CompressParams& p, int b) { return p.pos ? p.pos[b] : p.chunk_first + b; }
+DSUF_DEVICE i64 chunk_state_row(const CompressParams& p, int b) { return p.pos ? (p.state_row ? p.state_row[b] : (i64)b) : p.state_row[0]; }
+
+// Whether position P of row b's sequence (row b at position at) is one of the launch's rows: the
+// row r = b - (at - P), if it is that sequence's.
+DSUF_DEVICE bool chunk_has(const CompressParams& p, int b, int at, int P) {
+  const int r = b - (at - P);
+  return r >= 0 && (!p.pos || (p.pos[r] == P && chunk_state_row(p, r) == chunk_state_row(p, b)));
+}
+
+// Position P of row b's sequence (row b at position at) at channels col .. col + 3 as the state
+// holds it (kv, score + ape): the launch's row that has it, else the sequence's state from before
+// the launch (its current group's rows from CUR, the previous group's from 0: P's group is the
+// current one if the launch starts in it, that is if it has P's group's last position); before
+// position 0, an empty row.
 template <int RATIO, int C, int CUR>
-DSUF_DEVICE void chunk_slot(const CompressParams& p, const float* st_kv, const float* st_score, int P, int col, float4& kv, float4& sc) {
-  if (P >= p.chunk_first) {
-    const i64 q = P - p.chunk_first;
-    kv = ld4(p.kv + q * p.kv_stride + col);
-    sc = add4(ld4(p.score + q * p.score_stride + col), ld4(p.ape + (P % RATIO) * C + col));
-  } else if (P < 0) {
+DSUF_DEVICE void chunk_slot(const CompressParams& p, const float* st_kv, const float* st_score, int b, int at, int P, int col, float4& kv,
+                            float4& sc) {
+  if (P < 0) {
     kv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     sc = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+  } else if (chunk_has(p, b, at, P)) {
+    const i64 q = b - (at - P);
+    kv = ld4(p.kv + q * p.kv_stride + col);
+    sc = add4(ld4(p.score + q * p.score_stride + col), ld4(p.ape + (P % RATIO) * C + col));
   } else {
-    const int r = (P / RATIO == p.chunk_first / RATIO ? CUR : 0) + P % RATIO;
+    const int r = (chunk_has(p, b, at, P / RATIO * RATIO + RATIO - 1) ? CUR : 0) + P % RATIO;
     kv = ld4(st_kv + r * C + col);
     sc = ld4(st_score + r * C + col);
   }
@@ -114,12 +131,12 @@ DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
 #pragma unroll
     for (int k = 0; k < WIDTH / NT; ++k) weight[k] = p.norm[threadIdx.x + k * NT];
   }
-  const int pos = CHUNK ? p.chunk_first + b : p.pos[b];
+  const int pos = CHUNK ? chunk_pos(p, b) : p.pos[b];
   if (pos < 0) return;
   const int phase = pos % RATIO;
   const int s = threadIdx.x >> 4;
   const int c = blockIdx.x * CH + 4 * (threadIdx.x & 15);
-  const i64 row = CHUNK ? p.state_row[0] : p.state_row ? p.state_row[b] : (i64)b;
+  const i64 row = CHUNK ? chunk_state_row(p, b) : p.state_row ? p.state_row[b] : (i64)b;
   float* st_kv = p.state_kv + row * NS * C;
   float* st_score = p.state_score + row * NS * C;
   const float* kv_in = p.kv + b * p.kv_stride;
@@ -143,7 +160,7 @@ DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
     const int j = s * SPT + i;
     const int col = OVERLAP && j >= RATIO ? WIDTH + c : c;
     if (CHUNK) {  // slot j is position (pos / RATIO) * RATIO + j - CUR
-      chunk_slot<RATIO, C, CUR>(p, st_kv, st_score, pos - (NS - 1) + j, col, kv[i], sc[i]);
+      chunk_slot<RATIO, C, CUR>(p, st_kv, st_score, b, pos, pos - (NS - 1) + j, col, kv[i], sc[i]);
     } else if (j == NS - 1) {
       kv[i] = ld4(kv_in + col);
       sc[i] = add4(ld4(score_in + col), ld4(ape + col));
@@ -302,45 +319,57 @@ DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
   cluster_wait();
 }
 
-// The state a prompt chunk leaves: row j holds position (n / RATIO) * RATIO + j - CUR (n: the
-// position after the chunk) if it was fed, else nothing (kv 0, score -inf). All read, then written.
+// The state that the launch's rows of row b's sequence leave (b: their last): row j holds position
+// (n / RATIO) * RATIO + j - CUR (n: the position after row b) if it was fed, else nothing (kv 0,
+// score -inf). If the rows complete no group, only theirs change (the rows past them are empty
+// already: a decode step's cost); else every row is read, then written.
 template <int WIDTH, int RATIO, int LN>
-DSUF_DEVICE void chunk_state(const CompressParams& p) {
+DSUF_DEVICE void chunk_state(const CompressParams& p, int b) {
   constexpr bool OVERLAP = RATIO == 4;
   constexpr int C = OVERLAP ? 2 * WIDTH : WIDTH, NS = OVERLAP ? 2 * RATIO : RATIO, SPT = NS / LN, CUR = OVERLAP ? RATIO : 0;
   const int s = threadIdx.x >> 4;
   const int c = blockIdx.x * CH + 4 * (threadIdx.x & 15);
-  const int n = p.chunk_first + p.chunk_rows, base = n / RATIO * RATIO - CUR;
-  float* st_kv = p.state_kv + p.state_row[0] * NS * C;
-  float* st_score = p.state_score + p.state_row[0] * NS * C;
+  const int at = chunk_pos(p, b), n = at + 1, base = n / RATIO * RATIO - CUR;
+  const bool moved = n >= RATIO && chunk_has(p, b, at, n / RATIO * RATIO - 1);  // the rows complete a group
+  float* st_kv = p.state_kv + chunk_state_row(p, b) * NS * C;
+  float* st_score = p.state_score + chunk_state_row(p, b) * NS * C;
   float4 kv[SPT][C / WIDTH], sc[SPT][C / WIDTH];
+  bool write[SPT];
 #pragma unroll
   for (int i = 0; i < SPT; ++i) {
+    const int P = base + s * SPT + i;
+    write[i] = moved || (P >= 0 && P < n && chunk_has(p, b, at, P));
 #pragma unroll
-    for (int h = 0; h < C / WIDTH; ++h) {
-      const int P = base + s * SPT + i;
-      chunk_slot<RATIO, C, CUR>(p, st_kv, st_score, P < n ? P : -1, h * WIDTH + c, kv[i][h], sc[i][h]);
-    }
+    for (int h = 0; h < C / WIDTH && write[i]; ++h) chunk_slot<RATIO, C, CUR>(p, st_kv, st_score, b, at, P < n ? P : -1, h * WIDTH + c, kv[i][h], sc[i][h]);
   }
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < SPT; ++i) {
 #pragma unroll
-    for (int h = 0; h < C / WIDTH; ++h) {
-      const int at = (s * SPT + i) * C + h * WIDTH + c;
-      st4(st_kv + at, kv[i][h]);
-      st4(st_score + at, sc[i][h]);
+    for (int h = 0; h < C / WIDTH && write[i]; ++h) {
+      const int o = (s * SPT + i) * C + h * WIDTH + c;
+      st4(st_kv + o, kv[i][h]);
+      st4(st_score + o, sc[i][h]);
     }
   }
 }
 
-// A prompt chunk's cluster y: the row completing its y-th group (or, second pass, the state).
+// NAME_chunk's cluster y: a chunk's row completing its y-th group, or a step's row y if it
+// completes one; second pass: the state the chunk leaves, or row y's sequence's if y is its last.
 template <int WIDTH, int RATIO, int LN>
 DSUF_DEVICE void compress_chunk_pass(const CompressParams& p) {
-  if (p.chunk_state)
-    chunk_state<WIDTH, RATIO, LN>(p);
-  else
-    compress_row<WIDTH, RATIO, LN, true>(p, RATIO - 1 - p.chunk_first % RATIO + (int)blockIdx.y * RATIO);
+  const int y = blockIdx.y;
+  if (p.chunk_state) {
+    if (!p.pos) {
+      chunk_state<WIDTH, RATIO, LN>(p, p.chunk_rows - 1);
+    } else if (p.pos[y] >= 0 && !(y + 1 < p.chunk_rows && p.pos[y + 1] == p.pos[y] + 1 && chunk_state_row(p, y + 1) == chunk_state_row(p, y))) {
+      chunk_state<WIDTH, RATIO, LN>(p, y);
+    }
+  } else if (!p.pos) {
+    compress_row<WIDTH, RATIO, LN, true>(p, RATIO - 1 - p.chunk_first % RATIO + y * RATIO);
+  } else if (p.pos[y] % RATIO == RATIO - 1) {  // (padding, p < 0, completes none)
+    compress_row<WIDTH, RATIO, LN, true>(p, y);
+  }
 }
 
 // The first of rows b .. end - 1 that completes a group or is padding (end if none): the rows

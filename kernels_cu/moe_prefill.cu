@@ -176,6 +176,33 @@ struct PfRowScale {
     fp4_e4m3_table(max(e2 - m, 0), lo[2], hi[2]), fp4_e4m3_table(max(e3 - m, 0), lo[3], hi[3]);
     base = __int_as_float(max(m << 23, 0x00400000));  // e8m0_to_f32 (code 0: 2**-127)
   }
+  PfRowScale() = default;
+};
+
+// A warp's 16 rows' PfRowScales for a group of four chunks (whose scales come with its first),
+// entry 16 j + r: chunk j of the group, row r. Its lanes build two entries each as the group
+// starts; a quad's four lanes, which share their rows, would otherwise each build the same two
+// rows' scales every chunk (more instructions than the chunk's conversion).
+struct PfTables {
+  uint4 lo[64], hi[64];
+  float base[64];
+
+  DSUF_DEVICE void build(const u8* scales, int lane) {
+    __syncwarp();  // every lane done with the previous group's
+#pragma unroll
+    for (int e = lane; e < 64; e += 32) {
+      const PfRowScale r(*reinterpret_cast<const u32*>(scales + (e & 15) * 16 + 4 * (e >> 4)));
+      lo[e] = make_uint4(r.lo[0], r.lo[1], r.lo[2], r.lo[3]), hi[e] = make_uint4(r.hi[0], r.hi[1], r.hi[2], r.hi[3]), base[e] = r.base;
+    }
+    __syncwarp();
+  }
+  DSUF_DEVICE PfRowScale get(int e) const {
+    PfRowScale r;
+    const uint4 l = lo[e], h = hi[e];
+    r.lo[0] = l.x, r.lo[1] = l.y, r.lo[2] = l.z, r.lo[3] = l.w, r.hi[0] = h.x, r.hi[1] = h.y, r.hi[2] = h.z, r.hi[3] = h.w;
+    r.base = base[e];
+    return r;
+  }
 };
 
 // k-step I's A (rows g and g + 8 of the lane's weight words) as e4m3 scaled by its rows' 2**o.
@@ -201,8 +228,8 @@ DSUF_DEVICE void pf_issue(float (&d)[NP / 2], const u32 (&a)[4], u64 desc) {
 // An item's GEMM over its tile's NP (16, 32, 64 or 128) first columns, its chunks the CTA's q0..q0 + KC - 1;
 // acc[4j + q]: row r0 (q < 2) or r0 + 8, pair column 8j + 2t + (q & 1).
 template <int NP>
-DSUF_DEVICE void pf_gemm(const PrefillParams& p, const PfRing& ring, const PfItem& it, int q0, int r0) {
-  const int KC = p.K >> 7, t = threadIdx.x & 3;
+DSUF_DEVICE void pf_gemm(const PrefillParams& p, const PfRing& ring, PfTables& tables, const PfItem& it, int q0, int r0) {
+  const int KC = p.K >> 7, t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
   constexpr u64 STEP = PF_STEP_BYTES >> 4;  // the descriptor's address counts 16 bytes
   float acc[NP / 2], d[NP / 2];
 #pragma unroll
@@ -214,8 +241,8 @@ DSUF_DEVICE void pf_gemm(const PrefillParams& p, const PfRing& ring, const PfIte
     mbar_wait(&ring.full[q % PF_SLOTS], (q / PF_SLOTS) & 1);
     const uint4 w0 = *reinterpret_cast<const uint4*>(slot + PF_IMAGE_BYTES + r0 * 64 + 16 * t);
     const uint4 w1 = *reinterpret_cast<const uint4*>(slot + PF_IMAGE_BYTES + (r0 + 8) * 64 + 16 * t);
-    const u8* wscale = ring.scales + q / 4 % PF_SCALE_SLOTS * PF_SCALE_BYTES + 4 * (q % 4);  // (chunk q - q % 4 brought them)
-    const PfRowScale sc0(*reinterpret_cast<const u32*>(wscale + r0 * 16)), sc1(*reinterpret_cast<const u32*>(wscale + (r0 + 8) * 16));
+    if (q % 4 == 0) tables.build(ring.scales + q / 4 % PF_SCALE_SLOTS * PF_SCALE_BYTES + (r0 - g) * 16, threadIdx.x & 31);
+    const PfRowScale sc0 = tables.get(q % 4 * 16 + g), sc1 = tables.get(q % 4 * 16 + g + 8);
     // All four steps' A first: ptxas runs the wgmmas back to back only if no other instruction
     // writes their registers between the first and the wait.
     u32 a0[4], a1[4], a2[4], a3[4];
@@ -265,6 +292,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) moe_prefill_fp4(cons
   extern __shared__ __align__(128) u8 smem[];
   __shared__ __align__(8) u64 bars[2 * PF_SLOTS];
   __shared__ PfItem items[PF_ITEM_SLOTS];
+  __shared__ PfTables tables[8];
   const int KC = p.K >> 7, warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const int r0 = 64 * (warp >> 2) + 16 * (warp & 3) + g;  // this lane's rows r0 and r0 + 8 of the CTA's
   if (threadIdx.x == 0) mbar_init(bars, PF_SLOTS), mbar_init(bars + PF_SLOTS, PF_SLOTS, 8);
@@ -281,13 +309,13 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) moe_prefill_fp4(cons
     const PfItem it = items[i % PF_ITEM_SLOTS];
     if (it.cols <= 0) break;
     if (it.cols > 64) {  // (a short prompt's tiles hold a few pairs of their expert: no wider steps than they need)
-      pf_gemm<128>(p, ring, it, i * KC, r0);
+      pf_gemm<128>(p, ring, tables[warp], it, i * KC, r0);
     } else if (it.cols > 32) {
-      pf_gemm<64>(p, ring, it, i * KC, r0);
+      pf_gemm<64>(p, ring, tables[warp], it, i * KC, r0);
     } else if (it.cols > 16) {
-      pf_gemm<32>(p, ring, it, i * KC, r0);
+      pf_gemm<32>(p, ring, tables[warp], it, i * KC, r0);
     } else {
-      pf_gemm<16>(p, ring, it, i * KC, r0);
+      pf_gemm<16>(p, ring, tables[warp], it, i * KC, r0);
     }
   }
 }

@@ -22,6 +22,10 @@ KERNELS = {(512, 4): "compress_csa", (512, 128): "compress_hca", (128, 4): "comp
 CHANNELS_PER_CTA = 64
 ROPE_PAIRS = 32
 MAX_ROWS = 65535  # the grid's y dimension
+# From this many rows a step's groups are pooled in parallel (compress_decode's groups_in_parallel):
+# a prompt's step (up to PREFILL_CHUNK rows of one sequence) otherwise pools its groups one after
+# another in one cluster (a 256-row step: 64 of the indexer's Hadamard-rotated keys in a row).
+PARALLEL_MIN_ROWS = 128
 
 
 class CompressParams(ctypes.Structure):
@@ -76,6 +80,7 @@ def compress_decode(
     latent: torch.Tensor | None = None,
     state_rows: torch.Tensor | None = None,
     runs: torch.Tensor | None = None,
+    groups_in_parallel: bool = False,
 ) -> None:
     """One decode token per row b at position positions[b] (int32 [B]; < 0: a padding row, left
     untouched) fed to a compressor of ratio = ape.shape[0] and width = norm.shape[0]:
@@ -95,9 +100,17 @@ def compress_decode(
       sequences, indexed by their slots; without it, state row b);
     - runs: optional int32 [R + 1], R <= B: the rows in runs, rows runs[r] .. runs[r + 1] - 1
       applied one after another (several tokens of one sequence, in position order, share its
-      state); without it every row is its own run. Empty runs (equal bounds) are allowed.
+      state); without it every row is its own run. Empty runs (equal bounds) are allowed;
+    - groups_in_parallel: the same entries and states in two launches of the chunk kernel, a
+      cluster a row: every row that completes a group pools it at once (each slot from the step's
+      row that has its position, else from the state), then each sequence's last row writes the
+      state its rows leave. A sequence's rows must then be side by side at consecutive positions
+      with one state row (runs, if given, are those), and the rows of different sequences must
+      have different state rows (a padding row with position >= 0 writes its own state row as
+      any other: give padding rows a scratch state row, or position < 0).
 
-    One launch and no state of its own: safe in CUDA graphs and on any stream.
+    One launch (two with groups_in_parallel) and no state of its own: safe in CUDA graphs and on
+    any stream.
     """
     batch = positions.shape[0]
     if positions.dtype != torch.int32 or positions.dim() != 1 or batch > MAX_ROWS:
@@ -118,8 +131,15 @@ def compress_decode(
         params.state_row = state_rows.data_ptr()
     params.latent = latent.data_ptr() if latent is not None else 0
     params.runs = runs.data_ptr() if runs is not None else 0
-    # One cluster of width / 64 CTAs per run (the cluster size is compiled into the kernel).
-    get_kernel("compressor", name, kv.device)((norm.shape[0] // CHANNELS_PER_CTA, runs.shape[0] - 1 if runs is not None else batch, 1), _threads(ape.shape[0]), [params])
+    grid_x, threads = norm.shape[0] // CHANNELS_PER_CTA, _threads(ape.shape[0])  # a cluster of width / 64 CTAs (compiled in)
+    if groups_in_parallel:
+        kernel = get_kernel("compressor", f"{name}_chunk", kv.device)
+        params.chunk_rows = batch
+        kernel((grid_x, batch, 1), threads, [params])
+        params.chunk_state = 1
+        kernel((grid_x, batch, 1), threads, [params])
+    else:  # a cluster a run
+        get_kernel("compressor", name, kv.device)((grid_x, runs.shape[0] - 1 if runs is not None else batch, 1), threads, [params])
 
 
 def compress_chunk(

@@ -33,7 +33,7 @@ from dsuf.model.config import ModelConfig
 from dsuf.model.layers import Rope
 
 from .attention import new_pool, pack_kv, sparse_attention
-from .compressor import compress_chunk, compress_decode
+from .compressor import PARALLEL_MIN_ROWS, compress_chunk, compress_decode
 from .dense import DENSE_MIN_ROWS
 from .gemv import bf16_gemv, bf16_gemv_takes, fp8_grouped_gemv
 from .indexer import INDEX_ENTRY_BYTES, index_query_fp4, index_scores, topk_indices
@@ -452,7 +452,7 @@ class DecodeLayer:
                     pool: torch.Tensor, dst: torch.Tensor) -> None:
                 if ix.chunk_start is None:
                     compress_decode(kv, score, ix.positions, *state, ape, norm, self.rope.freqs, c.norm_eps, pool, dst,
-                                    state_rows=b["slots"], runs=b.get("runs"))
+                                    state_rows=b["slots"], runs=b.get("runs"), groups_in_parallel=kv.shape[0] >= PARALLEL_MIN_ROWS)
                 else:
                     compress_chunk(kv, score, ix.chunk_start, *state, b["slots"][:1], ape, norm, self.rope.freqs, c.norm_eps, pool, dst)
 

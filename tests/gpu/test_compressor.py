@@ -268,10 +268,12 @@ def test_compress_decode_timing(cuda, batch):
     print(f"  torch pooling + kernels B={batch}: " + ", ".join(f"{k} {v:.1f} us" for k, v in old.items()))
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["a cluster a row", "groups in parallel"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_state_rows_address_the_states_of_many_sequences(cuda, kind):
+def test_state_rows_address_the_states_of_many_sequences(cuda, kind, parallel):
     """With state_rows, row b works on state[state_rows[b]] of a larger state (the GPU model's
-    per-slot states): the same as working on those rows gathered, and no other row touched."""
+    per-slot states): the same as working on those rows gathered, and no other row touched;
+    with the groups in parallel too."""
     batch, held = 6, 11
     case = Case(kind, batch, cuda)
     rows = torch.randperm(held, device=cuda)[:batch]
@@ -284,7 +286,8 @@ def test_state_rows_address_the_states_of_many_sequences(cuda, kind):
     kv, score = case.projections()
     case.step(kv, score, pos, gathered_kv, gathered_score)
     expected = case.pool.clone()
-    compress_decode(kv, score, pos, many_kv, many_score, case.ape_d, case.norm_d, case.freqs, EPS, case.pool, case.slots, state_rows=rows)
+    compress_decode(kv, score, pos, many_kv, many_score, case.ape_d, case.norm_d, case.freqs, EPS, case.pool, case.slots, state_rows=rows,
+                    groups_in_parallel=parallel)
     assert torch.equal(many_kv[rows], gathered_kv) and torch.equal(many_score[rows], gathered_score)
     others = torch.ones(held, dtype=torch.bool, device=cuda)
     others[rows] = False
@@ -292,23 +295,29 @@ def test_state_rows_address_the_states_of_many_sequences(cuda, kind):
     assert torch.equal(case.pool, expected)
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["runs", "groups in parallel"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_runs_apply_the_tokens_of_one_sequence_in_order(cuda, kind):
+def test_runs_apply_the_tokens_of_one_sequence_in_order(cuda, kind, parallel):
     """A prefill chunk in one launch: rows of one sequence at consecutive positions share its state
-    (state_rows), and runs make the kernel apply them one after another. The state and every entry
-    written equal the same tokens fed one launch at a time."""
+    (state_rows), and runs make the kernel apply them one after another; or, with the groups in
+    parallel, each group is pooled from the rows and the state before them at once. The state and
+    every entry written equal the same tokens fed one launch at a time. Padding rows as the GPU
+    model's steps have them (a scratch state row, position 0, a run each) and one at position -1
+    (its state row untouched) change nothing else."""
     case = Case(kind, 1, cuda)
     lengths, starts = [2 * case.ratio + 3, 5], [case.ratio - 2, 0]  # runs crossing group boundaries, and a short one
-    rows = sum(lengths)
-    state_rows = torch.tensor([1] * lengths[0] + [3] * lengths[1], device=cuda)
-    pos = torch.tensor([p for start, n in zip(starts, lengths) for p in range(start, start + n)], dtype=torch.int32, device=cuda)
-    runs = torch.tensor([0, lengths[0], rows], dtype=torch.int32, device=cuda)
+    real = sum(lengths)
+    rows = real + 4
+    state_rows = torch.tensor([1] * lengths[0] + [3] * lengths[1] + [0, 0, 0, 2], device=cuda)
+    pos = torch.tensor([p for start, n in zip(starts, lengths) for p in range(start, start + n)] + [0, 0, 0, -1], dtype=torch.int32, device=cuda)
+    runs = torch.tensor([0, lengths[0], *range(real, rows + 1)], dtype=torch.int32, device=cuda)
     kv = torch.randn(rows, case.channels, device=cuda) * case.channel_scale.to(cuda)
     score = torch.randn(rows, case.channels, device=cuda) * 2
     state_kv, state_score = torch.zeros(4, case.rows, case.channels, device=cuda), torch.full((4, case.rows, case.channels), float("-inf"), device=cuda)
     for r, (start, _) in enumerate(zip(starts, lengths)):  # the states the tokens before each run left
         s_kv, s_score = case.state([start])
         state_kv[1 + 2 * r], state_score[1 + 2 * r] = s_kv[0], s_score[0]
+    state_kv[2], state_score[2] = torch.randn(case.rows, case.channels, device=cuda), torch.randn(case.rows, case.channels, device=cuda)
     entry = case.pool.shape[1]
     slots = torch.arange(rows, device=cuda).to(case.slots.dtype)
     one_kv, one_score, one_pool = state_kv.clone(), state_score.clone(), torch.zeros((rows, entry), dtype=torch.uint8, device=cuda)
@@ -316,8 +325,9 @@ def test_runs_apply_the_tokens_of_one_sequence_in_order(cuda, kind):
         compress_decode(kv[b : b + 1], score[b : b + 1], pos[b : b + 1], one_kv, one_score, case.ape_d, case.norm_d, case.freqs, EPS, one_pool,
                         slots[b : b + 1], state_rows=state_rows[b : b + 1])
     pool = torch.zeros_like(one_pool)
-    compress_decode(kv, score, pos, state_kv, state_score, case.ape_d, case.norm_d, case.freqs, EPS, pool, slots, state_rows=state_rows, runs=runs)
-    assert torch.equal(state_kv, one_kv) and torch.equal(state_score, one_score)
+    compress_decode(kv, score, pos, state_kv, state_score, case.ape_d, case.norm_d, case.freqs, EPS, pool, slots, state_rows=state_rows, runs=runs,
+                    groups_in_parallel=parallel)
+    assert torch.equal(state_kv[1:], one_kv[1:]) and torch.equal(state_score[1:], one_score[1:])  # (row 0: the padding's scratch)
     assert torch.equal(pool, one_pool)
     assert int((pool != 0).any(dim=1).sum()) == sum((start + n) // case.ratio - start // case.ratio for start, n in zip(starts, lengths))
 
