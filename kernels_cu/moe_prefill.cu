@@ -23,17 +23,20 @@
 // fourth chunk come the rows' E8M0 scales of that chunk and the next three (a TMA box of 16 bytes
 // a row, the narrowest there is) into PF_SCALE_SLOTS slots of their own.
 //
-// B image of a chunk (PF_IMAGE_BYTES): k-step s (of 4) at s * PF_STEP_BYTES; in it, for column group cg
-// (8 pairs) and k half h, a core matrix of 8 pairs x 16 bytes at cg * 256 + h * 128 (descriptor LBO
-// 128 for k, SBO 256 for columns). Within a k-step the k order is gemm.cu's: logical k 4t + b holds
-// element 8t + 2b, 16 + 4t + b element 8t + 2b + 1 (half 0 the even elements, half 1 the odd),
-// matching the even and odd codes of the weight words. Then the 128 pairs' activation scales
-// (float, times 64: undoing the e4m3 weight bytes' 2**-6), 0 past the tile's pairs.
+// B image of a chunk (up to PF_IMAGE_BYTES) for a tile whose items take m64nNPk32 steps (NP =
+// pf_width(pairs): 16, 32, 64 or 128 columns, the pairs then zeros): k-step s (of 4) at s * NP * 32;
+// in it, for column group cg (8 pairs) and k half h, a core matrix of 8 pairs x 16 bytes at
+// cg * 256 + h * 128 (descriptor LBO 128 for k, SBO 256 for columns). Within a k-step the k order
+// is gemm.cu's: logical k 4t + b holds element 8t + 2b, 16 + 4t + b element 8t + 2b + 1 (half 0
+// the even elements, half 1 the odd), matching the even and odd codes of the weight words. Then
+// the NP columns' activation scales (float, times 64: undoing the e4m3 weight bytes' 2**-6), 0
+// past the tile's pairs. A short prompt's tiles hold a few pairs each: their images are that much
+// smaller (one bulk copy each, still).
 #include "fp4.cuh"
 
 #define PF_COLS 128                                // pairs a tile: wgmma's N
 #define PF_STEP_BYTES (PF_COLS * 32)               // one k-step's B
-#define PF_IMAGE_BYTES (4 * PF_STEP_BYTES + PF_COLS * 4)
+#define PF_IMAGE_BYTES (4 * PF_STEP_BYTES + PF_COLS * 4)  // (the widest)
 #define PF_ROWS 128                                // weight rows a CTA
 #define PF_A_BYTES (PF_ROWS * 64)                  // their FP4 codes of one chunk
 #define PF_SLOT_BYTES (PF_IMAGE_BYTES + PF_A_BYTES)
@@ -80,13 +83,18 @@ extern "C" __global__ void __launch_bounds__(1024) moe_prefill_tiles(const i64* 
     tiles[3 * t] = experts - 1, tiles[3 * t + 1] = 0, tiles[3 * t + 2] = 0;
 }
 
+// The columns of a tile's wgmma steps (m64nNPk32) and image: the fewest of 16, 32, 64 and 128 that hold its pairs.
+DSUF_DEVICE int pf_width(int pairs) { return pairs > 64 ? 128 : pairs > 32 ? 64 : pairs > 16 ? 32 : 16; }
+DSUF_DEVICE int pf_image_bytes(int np) { return 4 * 32 * np + 4 * np; }
+
 // grid (K/128, tiles), 4 * PF_COLS threads: thread (pair c, k-step s) writes its 32 bytes of the image.
 extern "C" __global__ void __launch_bounds__(4 * PF_COLS) moe_prefill_images(const u8* xq, const float* sx, const int* x_row,
                                                                              const int* tiles, u8* images, int K) {
   pdl_begin();
   const int kc = blockIdx.x, KC = gridDim.x, pair0 = tiles[3 * blockIdx.y + 1], cols = tiles[3 * blockIdx.y + 2];
   if (cols <= 0) return;  // a row past the tiles (prefill_tiles: their count bound)
-  const int c = threadIdx.x >> 2, s = threadIdx.x & 3;
+  const int c = threadIdx.x >> 2, s = threadIdx.x & 3, np = pf_width(cols);
+  if (c >= np) return;
   const int row = c >= cols ? -1 : x_row ? x_row[pair0 + c] : pair0 + c;
   uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
   if (row >= 0) {
@@ -94,12 +102,12 @@ extern "C" __global__ void __launch_bounds__(4 * PF_COLS) moe_prefill_images(con
     lo = ld_nc16(src), hi = ld_nc16(src + 16);
   }
   u8* image = images + ((i64)blockIdx.y * KC + kc) * PF_IMAGE_BYTES;
-  u8* at = image + s * PF_STEP_BYTES + (c >> 3) * 256 + (c & 7) * 16;
+  u8* at = image + s * 32 * np + (c >> 3) * 256 + (c & 7) * 16;
   *reinterpret_cast<uint4*>(at) = make_uint4(__byte_perm(lo.x, lo.y, 0x6420), __byte_perm(lo.z, lo.w, 0x6420),
                                              __byte_perm(hi.x, hi.y, 0x6420), __byte_perm(hi.z, hi.w, 0x6420));
   *reinterpret_cast<uint4*>(at + 128) = make_uint4(__byte_perm(lo.x, lo.y, 0x7531), __byte_perm(lo.z, lo.w, 0x7531),
                                                    __byte_perm(hi.x, hi.y, 0x7531), __byte_perm(hi.z, hi.w, 0x7531));
-  if (s == 0) reinterpret_cast<float*>(image + 4 * PF_STEP_BYTES)[c] = row >= 0 ? 64.0f * sx[(i64)row * (K >> 7) + kc] : 0.0f;
+  if (s == 0) reinterpret_cast<float*>(image + 4 * 32 * np)[c] = row >= 0 ? 64.0f * sx[(i64)row * (K >> 7) + kc] : 0.0f;
 }
 
 // An item: tile (expert, first pair, pairs; 0 pairs: no item), matrix and 128-row block of N.
@@ -152,8 +160,9 @@ struct PfRing {
     }
     u8* s = smem + slot * PF_SLOT_BYTES;
     const int row = it.expert * p->N + it.rb * PF_ROWS;
-    mbar_expect_bytes(&full[slot], PF_SLOT_BYTES + (c % 4 ? 0 : PF_SCALE_BYTES));
-    bulk_copy(s, p->images + ((i64)it.tile * KC + c) * PF_IMAGE_BYTES, PF_IMAGE_BYTES, &full[slot]);
+    const int image = pf_image_bytes(pf_width(it.cols));
+    mbar_expect_bytes(&full[slot], image + PF_A_BYTES + (c % 4 ? 0 : PF_SCALE_BYTES));
+    bulk_copy(s, p->images + ((i64)it.tile * KC + c) * PF_IMAGE_BYTES, image, &full[slot]);
     tma_copy_2d(s + PF_IMAGE_BYTES, &p->w[it.mat], 64 * c, row, &full[slot]);
     if (c % 4 == 0) tma_copy_2d(scales + next / 4 % PF_SCALE_SLOTS * PF_SCALE_BYTES, &p->ws[it.mat], 4 * c, row, &full[slot]);
   }
@@ -230,7 +239,7 @@ DSUF_DEVICE void pf_issue(float (&d)[NP / 2], const u32 (&a)[4], u64 desc) {
 template <int NP>
 DSUF_DEVICE void pf_gemm(const PrefillParams& p, const PfRing& ring, PfTables& tables, const PfItem& it, int q0, int r0) {
   const int KC = p.K >> 7, t = threadIdx.x & 3, g = (threadIdx.x & 31) >> 2;
-  constexpr u64 STEP = PF_STEP_BYTES >> 4;  // the descriptor's address counts 16 bytes
+  constexpr u64 STEP = 32 * NP >> 4;  // the descriptor's address counts 16 bytes
   float acc[NP / 2], d[NP / 2];
 #pragma unroll
   for (int j = 0; j < NP / 2; ++j) acc[j] = 0.0f, d[j] = 0.0f;
@@ -259,7 +268,7 @@ DSUF_DEVICE void pf_gemm(const PrefillParams& p, const PfRing& ring, PfTables& t
     pin(d);
 #pragma unroll
     for (int i = 0; i < 4; ++i) pin(a0[i]), pin(a1[i]), pin(a2[i]), pin(a3[i]);
-    const float* xsc = reinterpret_cast<const float*>(slot + 4 * PF_STEP_BYTES);  // the chunk's activation scales
+    const float* xsc = reinterpret_cast<const float*>(slot + 4 * 32 * NP);  // the chunk's activation scales
 #pragma unroll
     for (int j = 0; j < NP / 8; ++j) {
       const float2 sc = *reinterpret_cast<const float2*>(xsc + 8 * j + 2 * t);
@@ -308,14 +317,11 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) moe_prefill_fp4(cons
     mbar_wait(&ring.full[i * KC % PF_SLOTS], (i * KC / PF_SLOTS) & 1);
     const PfItem it = items[i % PF_ITEM_SLOTS];
     if (it.cols <= 0) break;
-    if (it.cols > 64) {  // (a short prompt's tiles hold a few pairs of their expert: no wider steps than they need)
-      pf_gemm<128>(p, ring, tables[warp], it, i * KC, r0);
-    } else if (it.cols > 32) {
-      pf_gemm<64>(p, ring, tables[warp], it, i * KC, r0);
-    } else if (it.cols > 16) {
-      pf_gemm<32>(p, ring, tables[warp], it, i * KC, r0);
-    } else {
-      pf_gemm<16>(p, ring, tables[warp], it, i * KC, r0);
+    switch (pf_width(it.cols)) {  // (a short prompt's tiles hold a few pairs of their expert: no wider steps than they need)
+      case 128: pf_gemm<128>(p, ring, tables[warp], it, i * KC, r0); break;
+      case 64: pf_gemm<64>(p, ring, tables[warp], it, i * KC, r0); break;
+      case 32: pf_gemm<32>(p, ring, tables[warp], it, i * KC, r0); break;
+      default: pf_gemm<16>(p, ring, tables[warp], it, i * KC, r0);
     }
   }
 }

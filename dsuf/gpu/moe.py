@@ -159,7 +159,8 @@ def prefill_tiles(ends: torch.Tensor, pairs: int) -> torch.Tensor:
 
 def prefill_images(xq: torch.Tensor, sx: torch.Tensor, x_row: torch.Tensor | None, tiles: torch.Tensor) -> torch.Tensor:
     """The tiles' activations (e4m3 [rows, K] and their scales [rows, K/128]; pair p's row
-    x_row[p], or p) as moe_prefill_fp4 reads them: uint8 [tiles, K/128, PREFILL_IMAGE_BYTES]."""
+    x_row[p], or p) as moe_prefill_fp4 reads them: uint8 [tiles, K/128, PREFILL_IMAGE_BYTES] (a
+    tile of at most 16, 32 or 64 pairs fills only the start of its chunks' images)."""
     k = xq.shape[1]
     images = torch.empty((tiles.shape[0], k // 128, PREFILL_IMAGE_BYTES), dtype=torch.uint8, device=xq.device)
     get_kernel("moe_prefill", "moe_prefill_images", xq.device)(
