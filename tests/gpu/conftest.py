@@ -15,3 +15,13 @@ def cuda() -> torch.device:
         pytest.skip("CUDA is not available")
     print(f"\n  seed {torch.seed()}")  # fresh inputs every run; the seed reproduces a failure
     return torch.device("cuda")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report names the torch seed in force (a module's fixture seeds once for all
+    its tests, and its printed seed is shown only with the first test's output)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        report.sections.append(("torch seed", f"torch.initial_seed() = {torch.initial_seed()} (run the module from its start to replay it)"))
