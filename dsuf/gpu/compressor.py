@@ -1,7 +1,8 @@
 """One decode step of V4's KV compressors as one kernel (kernels_cu/compressor.cu): the state
 update, the gated pooling of a completed group, its RMSNorm and RoPE, and the cache-entry write,
 for B sequences at their own positions (a device tensor, so one CUDA graph serves every step);
-and a prompt chunk's groups all at once (compress_chunk: each compressor's NAME_chunk kernel).
+and a prompt chunk's groups all at once (compress_chunk: each compressor's NAME_chunk kernel),
+which a step of many rows takes too (compress_decode's groups_in_parallel).
 
 The three compressors of V4-Flash: the CSA layers' main compressor (ratio 4, width 512, overlapping
 windows) and their indexer's (ratio 4, width 128, Hadamard-rotated FP4 keys), and the HCA layers'
