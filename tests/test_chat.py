@@ -286,6 +286,28 @@ def test_utf8_split_across_tokens_and_logprobs(fe, hf):
     s.close()
 
 
+@pytest.mark.parametrize("thinking", ["disabled", "enabled"])
+def test_usage_counts_every_generated_token_when_max_tokens_cuts_a_character(fe, hf, thinking):
+    """max_tokens may stop the model inside a character whose UTF-8 bytes span several tokens: the
+    bytes left undecoded at the end show as no text, but the tokens were generated and count."""
+    p = fe.prepare(body(thinking={"type": thinking}, stream=True, stream_options={"include_usage": True}))
+    ids = ids_of(hf, "ok \U0001F984")[:-1]  # the unicorn's last byte never comes
+    s = p.new_stream()
+    s.start(len(p.prompt_ids), 0)
+    out = []
+    for i in ids:
+        out += chunks(s.push_tokens([i]))
+    out += chunks(s.finish("length"))
+    text = deltas(out, "reasoning_content" if thinking == "enabled" else "content")
+    assert text.startswith("ok") and "\U0001F984" not in text
+    for usage in (out[-1]["usage"], json.loads(s.response_json())["usage"]):
+        assert usage["completion_tokens"] == len(ids) == 3
+        assert usage["total_tokens"] == len(p.prompt_ids) + 3
+        if thinking == "enabled":
+            assert usage["completion_tokens_details"]["reasoning_tokens"] == 3
+    s.close()
+
+
 def test_dsml_tool_call_becomes_tool_calls(fe, hf):
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
               "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]

@@ -159,23 +159,30 @@ class ChatStream:
         self._id, self._model, self._created = request_id, model, created
         self._response: Any = None
         self._closed = False
-        # The recipe derives reasoning_tokens by re-encoding the reasoning text, which need not
-        # equal what was generated; count the generated tokens before </think> ourselves.
-        self._thinking, self._end_think_id, self.reasoning_tokens = thinking, end_think_id, 0
+        # The recipe counts the tokens its decoded text accounts for (bytes of a character that
+        # max_tokens cut, dropped at the end, count for nothing) and derives reasoning_tokens by
+        # re-encoding the reasoning text: usage counts the generated tokens here instead, and
+        # those before </think>.
+        self._thinking, self._end_think_id, self.reasoning_tokens, self.completion_tokens = thinking, end_think_id, 0, 0
 
     def _emit(self, chunks: list[Any]) -> list[str]:
         # to_json() first: accumulate() consumes the chunk.
         out = []
         for chunk in chunks:
-            out.append(self._with_reasoning_tokens(chunk.to_json()))
+            out.append(self._with_usage(chunk.to_json()))
             self._response.accumulate(chunk)
         return out
 
-    def _with_reasoning_tokens(self, text: str) -> str:
-        if '"reasoning_tokens"' not in text:
+    def _with_usage(self, text: str) -> str:
+        """A chunk's (or the response's) JSON with usage's token counts ours, where it has usage."""
+        if '"usage":{' not in text:
             return text
         obj = json.loads(text)
-        obj["usage"]["completion_tokens_details"]["reasoning_tokens"] = self.reasoning_tokens
+        usage = obj["usage"]
+        usage["completion_tokens"] = self.completion_tokens
+        usage["total_tokens"] = usage["prompt_tokens"] + self.completion_tokens
+        if usage.get("completion_tokens_details"):
+            usage["completion_tokens_details"]["reasoning_tokens"] = self.reasoning_tokens
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
     def start(self, prompt_tokens: int, cached_tokens: int) -> list[str]:
@@ -197,6 +204,7 @@ class ChatStream:
             raise RuntimeError("ChatStream.push_tokens() before start()")
         if self.finished or not ids:
             return []
+        self.completion_tokens += len(ids)
         for token in ids:
             if self._thinking:
                 if token == self._end_think_id:
@@ -237,7 +245,7 @@ class ChatStream:
         """The non-stream chat.completion object accumulated from every chunk so far."""
         if self._response is None:
             raise RuntimeError("ChatStream.response_json() before start()")
-        return self._with_reasoning_tokens(self._response.to_json())
+        return self._with_usage(self._response.to_json())
 
 
 @functools.lru_cache(maxsize=4)
