@@ -77,7 +77,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt("api-key", None, "require `Authorization: Bearer KEY`")
     opt("served-name", None, "model name to answer to besides the standard aliases; default: the checkpoint folder's name")
     opt("max-batch", 64, "most sequences decoded together", int)
-    opt("max-waiting", 256, "most requests queued before answering 429", int)
+    opt("max-waiting", 256, "most requests waiting for a batch slot (beyond the free ones) before answering 429", int)
     opt("max-model-len", 0, "context limit in tokens; default: the model's (1024 for the embedded tiny model, at most 65536 on the GPU path)", int)
     opt("prefill-chunk", 0, "prompt tokens prefilled per step; default 256 on the CPU path, 8192 on the GPU path (prompts of "
         "512 tokens or more run there as large chunks on the tensor cores, stalling other sequences' decoding meanwhile)", int)

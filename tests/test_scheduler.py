@@ -31,10 +31,16 @@ def events(req: Request) -> list:
     return out
 
 
-def test_waiting_queue_is_bounded():
+def test_waiting_queue_is_bounded_beyond_the_free_batch_slots():
+    """max_waiting counts the requests that cannot run at the next step: a burst into an idle
+    server of batch 2 and max_waiting 2 takes four, and once two run, two more may wait."""
     s = Scheduler(max_batch=2, max_waiting=2, prefill_budget=100, eos_token_id=EOS)
-    s.add(request())
-    s.add(request())
+    for _ in range(4):
+        s.add(request())
+    with pytest.raises(QueueFull, match="2 requests are already waiting"):
+        s.add(request())
+    s.plan()  # two run now
+    assert len(s.running) == 2 and len(s.waiting) == 2
     with pytest.raises(QueueFull):
         s.add(request())
 

@@ -123,8 +123,12 @@ class Scheduler:
         self._steps = itertools.count(1)
 
     def add(self, req: Request) -> None:
-        if len(self.waiting) >= self.max_waiting:
-            raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+        """Queue a request: it waits for the next step's free batch slots, and beyond those up to
+        max_waiting requests wait for slots to free (a burst into an idle server fills the batch
+        before anything counts as waiting)."""
+        free = max(0, self.max_batch - len(self.running))
+        if len(self.waiting) >= free + self.max_waiting:
+            raise QueueFull(f"{len(self.waiting) - free} requests are already waiting")
         self.waiting.append(req)
 
     def finish(self, req: Request) -> None:
