@@ -150,9 +150,17 @@ def cmd_build_kernels(args: argparse.Namespace) -> None:
     print(f"{len(results)} kernels ready in {cache.root} ({cache.compiles} compiled)")
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A command's usage errors in one line (`dsuf serve: error: ...`): serve's usage alone is a
+    screenful, and `--help` shows it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsuf", description="DeepSeek Ultrafast inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrors)
 
     from dsuf.serve import add_serve_arguments
 

