@@ -69,42 +69,57 @@ def port_number(text: str) -> int:
     return port
 
 
+def at_least(least: float, kind: type = int):
+    """An argparse type: a number of `kind` that is at least `least`."""
+
+    def number(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {text}")
+        return value
+
+    return number
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     env = os.environ.get
 
-    def opt(name: str, default, help_: str, type_=str) -> None:
+    def opt(name: str, default, help_: str, type_=str, choices: list[str] | None = None) -> None:
         var = "DSUF_" + name.upper().replace("-", "_")
         value = env(var)
         # An environment value is a string default, which argparse converts (and refuses, as it
         # would the option's) only when `dsuf serve` parses: a bad one breaks no other command.
-        p.add_argument(f"--{name}", type=type_, default=value if value is not None else default, help=f"{help_} (env {var})")
+        p.add_argument(f"--{name}", type=type_, choices=choices, default=value if value is not None else default, help=f"{help_} (env {var})")
 
     opt("ckpt", None, "checkpoint folder; default: the embedded tiny model")
     opt("tokenizer", None, "tokenizer.json; default: the checkpoint's, else the public V4 tokenizer")
     opt("device", "cpu", "cpu (the reference path)")
     opt("gpus", None, "GPU ids for the GPU path, comma-separated: one worker (tensor-parallel rank) each")
     opt("random-weights", None, "with --gpus: serve random weights of this config.json's shapes (made on the GPU, as dsuf bench does)")
-    opt("seed", 0, "seed of --random-weights", int)
+    opt("seed", 0, "seed of --random-weights", at_least(0))
     opt("host", "127.0.0.1", "address to listen on")
     opt("port", 8000, "port to listen on", port_number)
     opt("api-key", None, "require `Authorization: Bearer KEY`")
     opt("served-name", None, "model name to answer to besides the standard aliases; default: the checkpoint folder's name")
-    opt("max-batch", 64, "most sequences decoded together", int)
-    opt("max-waiting", 256, "most requests waiting for a batch slot (beyond the free ones) before answering 429", int)
-    opt("max-model-len", 0, "context limit in tokens; default: the model's (1024 for the embedded tiny model, at most 65536 on the GPU path)", int)
+    opt("max-batch", 64, "most sequences decoded together", at_least(1))
+    opt("max-waiting", 256, "most requests waiting for a batch slot (beyond the free ones) before answering 429", at_least(0))
+    opt("max-model-len", 0, "context limit in tokens; default: the model's (1024 for the embedded tiny model, at most 65536 on the GPU path)", at_least(0))
     opt("prefill-chunk", 0, "prompt tokens prefilled per step; default 256 on the CPU path, 8192 on the GPU path (prompts of "
-        "512 tokens or more run there as large chunks on the tensor cores, stalling other sequences' decoding meanwhile)", int)
-    opt("numerics", "reference", "reference or exact")
-    opt("grace", 30.0, "seconds SIGTERM waits for running requests", float)
-    opt("kv-host-bytes", 2 << 30, "host memory for conversation caches (shared memory; 0 turns caching off)", int)
+        "512 tokens or more run there as large chunks on the tensor cores, stalling other sequences' decoding meanwhile)", at_least(0))
+    opt("numerics", "reference", "reference or exact", choices=["reference", "exact"])
+    opt("grace", 30.0, "seconds SIGTERM waits for running requests", at_least(0, float))
+    opt("kv-host-bytes", 2 << 30, "host memory for conversation caches (shared memory; 0 turns caching off)", at_least(0))
     opt("redis-url", None, "Redis of the fleet: conversation caches are advertised there and fetched from peers")
     opt("server-id", None, "this server's id in the fleet; default: HOST:PORT")
     opt("kv-port", None, "port of the cache transfer server (0: any free port); default: PORT + 1", port_number)
     opt("kv-advertise", None, "HOST[:PORT] peers dial for transfers; default: this host's address and --kv-port")
     opt("cluster-secret", None, "shared secret of the fleet: authenticates cache transfers (or use --cluster-secret-file)")
     opt("cluster-secret-file", None, "file holding the fleet's shared secret")
-    opt("kv-lease-ms", 10000, "this server's lease in Redis, ms (peers treat it as gone this long after a freeze)", int)
-    opt("kv-fetch-timeout", 2.0, "seconds a cache transfer may stall before the turn is recomputed instead", float)
+    opt("kv-lease-ms", 10000, "this server's lease in Redis, ms (peers treat it as gone this long after a freeze)", at_least(1))
+    opt("kv-fetch-timeout", 2.0, "seconds a cache transfer may stall before the turn is recomputed instead", at_least(0.001, float))
     p.add_argument("--speculative", action="store_true", default=env("DSUF_SPECULATIVE") == "1",
                    help="decode with the MTP layer's drafts, each verified with the next token: the same tokens, fewer "
                         "steps where drafts are accepted (env DSUF_SPECULATIVE=1)")

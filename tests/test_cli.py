@@ -112,6 +112,9 @@ def test_serve_refuses_gpu_options_it_cannot_honour_in_one_line(args, message, t
         (["--kv-port", "-1"], {}, "argument --kv-port: a port is 0..65535, got -1"),
         ([], {"DSUF_PORT": "http"}, "argument --port: not a port number: 'http'"),
         ([], {"DSUF_MAX_BATCH": "many"}, "argument --max-batch: invalid int value: 'many'"),
+        (["--max-batch", "0"], {}, "argument --max-batch: must be at least 1, got 0"),  # no request would ever run
+        (["--numerics", "bogus"], {}, "argument --numerics: invalid choice: 'bogus' (choose from 'reference', 'exact')"),  # the worker died of it
+        (["--kv-fetch-timeout", "0"], {}, "argument --kv-fetch-timeout: must be at least 0.001, got 0"),
     ],
 )
 def test_serve_refuses_a_bad_option_or_environment_value_in_one_line(args, env, message):
