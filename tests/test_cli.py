@@ -108,9 +108,9 @@ def test_serve_refuses_gpu_options_it_cannot_honour_in_one_line(args, message, t
 @pytest.mark.parametrize(
     "args, env, message",
     [
-        (["--port", "99999"], {}, "argument --port: a port is 0..65535, got 99999"),  # uvloop would listen on 34463
-        (["--kv-port", "-1"], {}, "argument --kv-port: a port is 0..65535, got -1"),
-        ([], {"DSUF_PORT": "http"}, "argument --port: not a port number: 'http'"),
+        (["--port", "99999"], {}, "argument --port: must be in 0..65535, got 99999"),  # uvloop would listen on 34463
+        (["--kv-port", "-1"], {}, "argument --kv-port: must be in 0..65535, got -1"),
+        ([], {"DSUF_PORT": "http"}, "argument --port: invalid int value: 'http'"),
         ([], {"DSUF_MAX_BATCH": "many"}, "argument --max-batch: invalid int value: 'many'"),
         (["--max-batch", "0"], {}, "argument --max-batch: must be at least 1, got 0"),  # no request would ever run
         (["--numerics", "bogus"], {}, "argument --numerics: invalid choice: 'bogus' (choose from 'reference', 'exact')"),  # the worker died of it
