@@ -172,6 +172,8 @@ def test_unknown_model_is_a_400_naming_it(fe):
         body(max_tokens=0),
         {"model": "deepseek-v4-flash", "messages": "Hello"},
         {"messages": [{"role": "user", "content": "Hello"}]},
+        {"model": {"name": "deepseek-chat"}, "messages": [{"role": "user", "content": "Hello"}]},  # (was a 500: unhashable)
+        {"model": ["deepseek-chat"], "messages": [{"role": "user", "content": "Hello"}]},
         {"model": "deepseek-v4-flash", "messages": [{"role": "developer", "content": "x"}]},
         body(thinking={"type": "sometimes"}),
         body(temperature=3),

@@ -308,7 +308,7 @@ class ChatFrontend:
         req = self._parse_body(body)
         model = req.get("model")
         # Legacy names imply a thinking mode unless the request chooses one (thinking or reasoning_effort).
-        if model in _THINKING_BY_MODEL and req.get("thinking") is None and req.get("reasoning_effort") is None:
+        if isinstance(model, str) and model in _THINKING_BY_MODEL and req.get("thinking") is None and req.get("reasoning_effort") is None:
             req["thinking"] = {"type": "enabled" if _THINKING_BY_MODEL[model] else "disabled"}
         # The recipe ignores max_completion_tokens (the newer OpenAI spelling).
         if req.get("max_tokens") is None and req.get("max_completion_tokens") is not None:
