@@ -143,6 +143,8 @@ async def serve(args: argparse.Namespace) -> int:
             if config.family != "v4":  # V4.1 adds special tokens the public V4 tokenizer lacks
                 raise SystemExit(f"dsuf: {ckpt} has no tokenizer.json; a {config.family} checkpoint needs its own (or --tokenizer)")
             tokenizer = default_tokenizer()
+    if args.max_model_len > config.max_seq_len:
+        raise SystemExit(f"dsuf: --max-model-len {args.max_model_len} exceeds {config.name}'s context of {config.max_seq_len} tokens")
     if args.speculative and not (config.family == "v4" and config.dspark is None and config.n_mtp_layers):
         raise SystemExit(f"dsuf: --speculative drafts with V4's MTP layer, which {config.name} does not have")
     if gpus:  # every sequence's caches are preallocated on the GPU: a bounded context by default

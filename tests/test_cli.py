@@ -94,9 +94,10 @@ def test_missing_checkpoint_and_bad_override_are_reported_plainly(tmp_path):
         (["--gpus", "0", "--random-weights", "nowhere.json"], "--random-weights nowhere.json"),
         (["--device", "tpu"], "unknown --device"),
         (["--gpus", "0"], "the GPU path runs V4-Flash's layer shapes; "),  # the embedded tiny model's are smaller
+        (["--max-model-len", "2000000"], "--max-model-len 2000000 exceeds dsuf-tiny-v4-seed0's context of 1048576 tokens"),
     ],
 )
-def test_serve_refuses_gpu_options_it_cannot_honour_in_one_line(args, message, tmp_path):
+def test_serve_refuses_options_it_cannot_honour_in_one_line(args, message, tmp_path):
     from dsuf.gpu.weights import V4_FLASH_CONFIG
 
     (tmp_path / "v4-flash.json").write_text(json.dumps(V4_FLASH_CONFIG))
