@@ -53,8 +53,11 @@ async def errors_as_openai_bodies(request: web.Request, handler):
             raise
         reason = {413: "request body too large", 404: "no such route", 405: "method not allowed"}.get(exc.status, exc.reason)
         return error_response(exc.status, f"{reason}: {request.method} {request.path}" if exc.status in (404, 405) else reason)
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         raise
+    except ConnectionResetError:  # the client went away (e.g. as its stream started): no one to answer, nothing to log
+        log.debug("client gone during %s %s", request.method, request.path)
+        return web.Response(status=499)  # (nginx's "client closed request", for the access log; never sent)
     except Exception:  # a bug must cost one request a 500, never the server or an HTML page
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(500, "internal server error", code="internal_error")
