@@ -544,6 +544,16 @@ def test_bad_requests_get_the_right_status_and_an_openai_error_body(server, case
     assert_serving(server)
 
 
+def test_a_conversation_name_over_256_characters_is_a_400_in_the_header_as_in_the_body(server):
+    """X-Conversation-Id names a conversation as prompt_cache_key does, under the same limit
+    (it becomes a Redis key in a fleet)."""
+    status, _, raw = http("POST", server.url + CHAT, greedy("hi", 1), headers={"X-Conversation-Id": "k" * 257})
+    assert status == 400 and "X-Conversation-Id" in assert_error_body(raw, 400)["message"]
+    status, _, raw = http("POST", server.url + CHAT, greedy("hi", 1) | {"prompt_cache_key": "k" * 257})
+    assert status == 400 and "prompt_cache_key" in assert_error_body(raw, 400)["message"]
+    assert http("POST", server.url + CHAT, greedy("hi", 1), headers={"X-Conversation-Id": "k" * 256})[0] == 200
+
+
 # ------------------------------------------------------------------------- max_tokens and stop strings
 
 

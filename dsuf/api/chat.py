@@ -40,6 +40,7 @@ __all__ = ["ChatError", "ChatFrontend", "ChatStream", "ModelInfo", "PreparedChat
 # Names accepted besides the checkpoint's own: dsh's default, DeepSeek's current and legacy public names.
 MODEL_ALIASES = ("deepseek-v4-flash", "deepseek-v4.1-flash", "deepseek-flash", "deepseek-chat", "deepseek-reasoner")
 # Legacy names that imply a thinking mode when the request does not choose one itself.
+CONVERSATION_NAME_MAX = 256  # characters of a conversation's name (prompt_cache_key or X-Conversation-Id)
 _THINKING_BY_MODEL = {"deepseek-chat": False, "deepseek-reasoner": True}
 # family -> (the recipe model version whose prompt encoding matches, that encoding).
 # The recipe only knows DeepseekV4Pro (rendered by DeepseekV4Encoding) and DeepseekV41Flash
@@ -316,8 +317,8 @@ class ChatFrontend:
         logit_bias = self._logit_bias(req.get("logit_bias"))
         forced = self._forced_tokens(req.pop("dsuf_forced_tokens", None))
         cache_key = req.get("prompt_cache_key")
-        if cache_key is not None and (not isinstance(cache_key, str) or not 0 < len(cache_key) <= 256):
-            raise ChatError(400, "prompt_cache_key must be a string of 1 to 256 characters", param="prompt_cache_key")
+        if cache_key is not None and (not isinstance(cache_key, str) or not 0 < len(cache_key) <= CONVERSATION_NAME_MAX):
+            raise ChatError(400, f"prompt_cache_key must be a string of 1 to {CONVERSATION_NAME_MAX} characters", param="prompt_cache_key")
         top_k = req.pop("top_k", None)  # a common extension (vLLM, SGLang) the recipe does not know
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
             raise ChatError(400, f"top_k must be a non-negative integer (0 disables it), got {top_k!r}", param="top_k")

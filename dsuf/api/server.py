@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from dsuf.api.chat import SSE_DONE, ChatError, ChatFrontend, PreparedChat
+from dsuf.api.chat import CONVERSATION_NAME_MAX, SSE_DONE, ChatError, ChatFrontend, PreparedChat
 from dsuf.api.metrics import Metrics
 from dsuf.engine.engine import Engine, WorkerGone
 from dsuf.engine.scheduler import ErrorEvent, FinishEvent, QueueFull, Request, TokenEvent
@@ -104,7 +104,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ValueError as exc:
         return error_response(400, str(exc))
     req = Request(prepared.prompt_ids, params, prepared.max_tokens)
-    conversation = prepared.conversation or request.headers.get("X-Conversation-Id") or None
+    header = request.headers.get("X-Conversation-Id")
+    if header is not None and len(header) > CONVERSATION_NAME_MAX:
+        return error_response(400, f"X-Conversation-Id must be 1 to {CONVERSATION_NAME_MAX} characters", param="X-Conversation-Id")
+    conversation = prepared.conversation or header or None
     if state.cache is not None:
         try:
             await state.cache.attach(req, conversation)
