@@ -93,6 +93,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return error_response(503, "the server is shutting down", code="server_shutting_down")
     if not engine.ready.is_set():
         return error_response(503, engine.failure or "the model is still loading", code="model_not_ready", headers={"Retry-After": "5"})
+    header = request.headers.get("X-Conversation-Id")  # (checked before the prompt is encoded)
+    if header is not None and len(header) > CONVERSATION_NAME_MAX:
+        return error_response(400, f"X-Conversation-Id must be 1 to {CONVERSATION_NAME_MAX} characters", param="X-Conversation-Id")
     body = await request.read()
     try:
         # Off the event loop: the recipe's encoder releases the GIL, and a long prompt takes it
@@ -104,9 +107,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ValueError as exc:
         return error_response(400, str(exc))
     req = Request(prepared.prompt_ids, params, prepared.max_tokens)
-    header = request.headers.get("X-Conversation-Id")
-    if header is not None and len(header) > CONVERSATION_NAME_MAX:
-        return error_response(400, f"X-Conversation-Id must be 1 to {CONVERSATION_NAME_MAX} characters", param="X-Conversation-Id")
     conversation = prepared.conversation or header or None
     if state.cache is not None:
         try:
