@@ -156,9 +156,10 @@ class Server:
         raise AssertionError(f"{text!r} not logged within {timeout} s; log:\n{self.log()}")
 
     def worker_pid(self) -> int:
-        m = re.search(r"worker started \(pid (\d+),", self.log())
-        assert m, f"no 'worker started (pid N, ...)' line in the log:\n{self.log()}"
-        return int(m.group(1))
+        """The pid of the worker started last."""
+        pids = re.findall(r"worker started \(pid (\d+),", self.log())
+        assert pids, f"no 'worker started (pid N, ...)' line in the log:\n{self.log()}"
+        return int(pids[-1])
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -192,11 +193,8 @@ class Server:
         raise AssertionError(f"/readyz not 200 within {timeout} s (saw {sorted(set(map(str, self.readyz_history)))}); log:\n{self.log()}")
 
     def stop(self, timeout: float = 30.0) -> int:
-        """End the server (SIGTERM, then SIGKILL) and a worker that outlived it; returns the exit code."""
-        worker = None
-        m = re.search(r"worker started \(pid (\d+),", self.log())
-        if m:
-            worker = int(m.group(1))
+        """End the server (SIGTERM, then SIGKILL) and any worker that outlived it; returns the exit code."""
+        workers = [int(pid) for pid in re.findall(r"worker started \(pid (\d+),", self.log())]
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -204,7 +202,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        if worker is not None:
+        for worker in workers:
             _kill_if_worker(worker)
         self._log_file.close()
         return self.proc.returncode

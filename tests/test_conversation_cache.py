@@ -4,6 +4,7 @@ what a server that recomputed the whole prompt answers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -156,3 +157,28 @@ def test_a_cache_smaller_than_a_snapshot_still_answers_correctly(cache_home, tmp
         assert "not kept" in tiny.log()
     finally:
         assert tiny.stop() == 0
+
+
+def test_the_snapshots_a_dead_worker_was_making_are_given_up():
+    """Between a worker's SnapshotMade and its write, the front end holds a region for it: if the
+    worker dies there, the region must come back and a turn waiting for that snapshot recomputes."""
+    from dsuf.engine.scheduler import Scheduler
+    from dsuf.ipc.messages import SeqWork, SnapshotMade, Step, StepDone
+    from dsuf.kvcache.cache import ConversationCache
+    from dsuf.kvcache.store import HostStore
+
+    async def main() -> None:
+        store = HostStore(1 << 20)
+        cache = ConversationCache(store, model_id="m", revision="r", assistant_id=5, boundary_ids={6})
+        scheduler = Scheduler(4, 4, 64, eos_token_id=EOS)
+        cache.expect(Step(1, [SeqWork(7, [3, 4, 5], sample=True, snapshot="k")]))
+        coming = cache._coming["k"]
+        cache.on_step(StepDone(1, [], 0.0, snapshots=[SnapshotMade(7, "k", 3, 4096)]), scheduler)
+        assert store.bytes_used == 4096 and not coming.done()  # reserved, to be written next step
+
+        cache.worker_lost()
+        assert store.bytes_used == 0 and "k" not in store
+        assert coming.done() and coming.result() is False
+        store.reserve("all", 1, 1 << 20)  # the whole budget is free again
+
+    asyncio.run(main())

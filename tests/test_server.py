@@ -632,10 +632,13 @@ def test_more_requests_than_fit_get_429_with_retry_after(start_server):
 # ----------------------------------------------------------------------------------- worker death
 
 
-def test_a_killed_worker_fails_fast_and_reports_not_ready(start_server):
+def test_a_killed_worker_fails_its_requests_at_once_then_is_restarted_with_the_caches_kept(start_server):
     s = start_server()
     pid = s.worker_pid()
     assert b"dsuf.worker.main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    status, _, raw = http("POST", s.url + CHAT, greedy("Before the crash", 6))
+    assert status == 200
+    before = json.loads(raw)
 
     async def main() -> list[str]:
         stream = await sse_stream(s.port, greedy("Tell me a very long story.", 500))
@@ -652,12 +655,40 @@ def test_a_killed_worker_fails_fast_and_reports_not_ready(start_server):
     assert errors and set(errors[-1]) == ERROR_KEYS and "worker" in errors[-1]["message"]
     assert not any(json.loads(e).get("choices") and json.loads(e)["choices"][0].get("finish_reason") for e in rest[:-1])
 
+    # Restarting (the first restart waits 1 s, then the worker loads): not ready, requests get 503.
     status, _, raw = http("GET", s.url + "/readyz")
-    assert status == 503 and json.loads(raw)["status"] == "failed"
+    assert status == 503 and json.loads(raw)["status"] == "restarting", raw
+    status, headers, raw = http("POST", s.url + CHAT, greedy("Anyone there?", 2), timeout=10)
+    assert status == 503 and headers.get("Retry-After")
+    assert "restarting" in assert_error_body(raw, 503)["message"]
+
+    s.wait_ready(60)
+    assert s.worker_pid() != pid
+    log = s.log()
+    assert re.search(rf"worker {pid} ended: signal SIGKILL", log) and "serving again after restart 1" in log
+    assert re.search(r"^dsuf:worker_restarts 1\.0$", http("GET", s.url + "/metrics")[2].decode(), re.M)
+    status, _, raw = http("POST", s.url + CHAT, greedy("Before the crash", 6))
+    after = json.loads(raw)
+    assert status == 200 and after["choices"][0]["message"] == before["choices"][0]["message"]
+    # the snapshot of that prompt, taken before the crash, is still in the front end's arena
+    assert after["usage"]["prompt_cache_hit_tokens"] == after["usage"]["prompt_tokens"] - 1
+
+
+def test_a_worker_that_dies_while_loading_is_not_restarted(start_server):
+    s = start_server(wait=False)
+    deadline = time.monotonic() + 60
+    while not re.search(r"worker started \(pid \d+,", s.log()):
+        assert time.monotonic() < deadline, s.log()
+        time.sleep(0.02)
+    os.kill(s.worker_pid(), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while (state := json.loads(http("GET", s.url + "/readyz")[2])["status"]) != "failed":
+        assert state == "loading" and time.monotonic() < deadline, state
+        time.sleep(0.05)
+    time.sleep(2)  # (a restart would have begun within 1 s)
+    assert len(re.findall(r"worker started", s.log())) == 1
     status, _, raw = http("POST", s.url + CHAT, greedy("Anyone there?", 2), timeout=10)
-    assert status == 503
-    assert "worker" in assert_error_body(raw, 503)["message"]
-    assert re.search(rf"worker {pid} ended: signal SIGKILL", s.log())
+    assert "while loading" in assert_error_body(raw, 503)["message"]
 
 
 # -------------------------------------------------------------------------------------- SIGTERM

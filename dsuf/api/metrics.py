@@ -27,6 +27,7 @@ class Metrics:
         self.kv_events = Gauge(
             "dsuf:kv_cache_events", "Conversation-cache lookups and transfers since start, by kind", ["kind"], registry=r
         )
+        self.worker_restarts = Gauge("dsuf:worker_restarts", "Times the workers were restarted after a crash, since start", registry=r)
         self.itl = Histogram("dsuf:inter_token_latency_seconds", "Time between tokens of a stream", buckets=_LATENCY_BUCKETS, registry=r)
 
     def render(self) -> tuple[bytes, str]:

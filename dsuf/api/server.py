@@ -92,7 +92,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if state.draining:
         return error_response(503, "the server is shutting down", code="server_shutting_down")
     if not engine.ready.is_set():
-        return error_response(503, engine.failure or "the model is still loading", code="model_not_ready", headers={"Retry-After": "5"})
+        return error_response(503, engine.unavailable, code="model_not_ready", headers={"Retry-After": "5"})
     header = request.headers.get("X-Conversation-Id")  # (checked before the prompt is encoded)
     if header is not None and len(header) > CONVERSATION_NAME_MAX:
         return error_response(400, f"X-Conversation-Id must be 1 to {CONVERSATION_NAME_MAX} characters", param="X-Conversation-Id")
@@ -207,7 +207,8 @@ async def readyz(request: web.Request) -> web.Response:
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
     if not engine.ready.is_set():
-        return web.json_response({"status": "failed" if engine.failure else "loading", "detail": engine.failure}, status=503)
+        status = "failed" if engine.failure else "restarting" if engine.down else "loading"
+        return web.json_response({"status": status, "detail": engine.failure or engine.down}, status=503)
     return web.json_response({"status": "ready"})
 
 
@@ -219,6 +220,7 @@ async def metrics_route(request: web.Request) -> web.Response:
     m, engine = request.app[METRICS], request.app[ENGINE]
     m.running.set(engine.running)
     m.waiting.set(engine.waiting)
+    m.worker_restarts.set(engine.restarts)
     cache = request.app[STATE].cache
     if cache is not None:
         m.kv_bytes.set(cache.store.bytes_used)

@@ -4,8 +4,12 @@ One worker per GPU (one on the CPU path), each with its own pair of rings. One s
 at a time: the loop asks the scheduler for a plan, sends it down every worker's ring, and the
 workers' `StepDone`s (delivered by the event loop's reader on the doorbell fds, never by polling)
 complete it; the first worker's (the tensor-parallel leader's) carries the tokens and snapshots.
-A worker that exits fails every in-flight request with a 503 and the engine reports not ready;
-nothing waits forever.
+
+A worker that exits fails every in-flight request with a 503 at once (nothing waits forever) and
+the engine reports not ready. If the workers had loaded, they are all started again (tensor-
+parallel ranks cannot go on without each other) after a back-off that grows with repeated crashes,
+and serving resumes with the conversation caches intact: they live in the front end's arena. A
+worker that fails while loading is not restarted: a bad checkpoint would fail again.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import signal
 import socket
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -28,6 +33,9 @@ if TYPE_CHECKING:
     from dsuf.kvcache.cache import ConversationCache
 
 log = logging.getLogger("dsuf.engine")
+
+RESTART_WINDOW = 600.0  # seconds: crashes closer together than this double the next restart's delay
+RESTART_DELAY_MAX = 60.0
 
 
 @dataclass(frozen=True)
@@ -91,7 +99,9 @@ class Engine:
         self.ready = asyncio.Event()
         self.info: Ready | None = None
         self.scheduler: Scheduler | None = None
-        self.failure: str | None = None
+        self.failure: str | None = None  # why the engine can never serve (the workers could not load)
+        self.down: str | None = None  # why it is not serving while its workers restart
+        self.restarts = 0  # worker restarts after crashes, since start
         self.on_step: Callable[[StepDone, float], None] | None = None  # (result, round-trip seconds)
         self.cache: ConversationCache | None = None  # sees each step's snapshots before the scheduler
         self._wakeup = asyncio.Event()
@@ -101,17 +111,26 @@ class Engine:
         self.workers: list[WorkerProcess] = []
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self._crashes: deque[float] = deque()  # when recent crashes happened (monotonic seconds)
+        self._lost = False  # a worker of the current ones has died (they are all being taken down)
+        self._fatal = False  # `failure` is a worker's own report of why it could not load
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._loop()))
+        await self._spawn()
+
+    async def _spawn(self) -> None:
+        """Start one worker per rank, each on new rings (and the ranks on a new rendezvous)."""
         loop = asyncio.get_running_loop()
         cfg = self.config
         ranks = len(cfg.gpus) or 1
         rendezvous = f"tcp://127.0.0.1:{free_port()}" if ranks > 1 else None
-        for rank in range(ranks):
-            w = WorkerProcess.create()
-            self.workers.append(w)
+        self._readies.clear()
+        self._lost = False
+        self.workers = [WorkerProcess.create() for _ in range(ranks)]
+        for rank, w in enumerate(self.workers):
             w.back.attach_to_loop(loop, lambda messages, rank=rank: self._on_messages(rank, messages))
             cmd = [sys.executable, "-m", "dsuf.worker.main", "--numerics", cfg.numerics, *w.ring_args()]
             cmd += ["--ckpt", cfg.ckpt] if cfg.ckpt else ["--random-weights", str(cfg.random_weights)]
@@ -128,7 +147,7 @@ class Engine:
             w.proc = await asyncio.create_subprocess_exec(*cmd, pass_fds=(w.bells[0].fd, w.bells[1].fd))
             where = f"GPU {cfg.gpus[rank]}, rank {rank} of {ranks}" if cfg.gpus else "CPU"
             log.info("worker started (pid %d, %s), loading weights from %s", w.proc.pid, where, cfg.ckpt or f"random weights of {cfg.random_weights}")
-        self._tasks = [asyncio.create_task(self._supervise(w)) for w in self.workers] + [asyncio.create_task(self._loop())]
+            self._tasks.append(asyncio.create_task(self._supervise(w)))
 
     async def stop(self) -> None:
         self._stopping = True
@@ -150,9 +169,14 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------
 
+    @property
+    def unavailable(self) -> str:
+        """Why requests cannot be served now (meaningful while `ready` is not set)."""
+        return self.failure or self.down or "the model is still loading"
+
     def submit(self, req: Request) -> None:
-        if self.failure is not None or self.scheduler is None:
-            raise WorkerGone(self.failure or "the model is still loading")
+        if not self.ready.is_set() or self.scheduler is None:
+            raise WorkerGone(self.unavailable)
         self.scheduler.add(req)  # may raise QueueFull
         self._wakeup.set()
 
@@ -181,21 +205,25 @@ class Engine:
                 self._readies[rank] = msg
                 if len(self._readies) == len(self.workers):
                     self._on_ready(self._readies[0])
-            elif isinstance(msg, Fatal):
+            elif isinstance(msg, Fatal):  # sent when loading fails: its cause says more than the exit code
                 log.error("worker %d: %s", rank, msg.message)
-                self.failure = self.failure or msg.message
+                if self.failure is None or not self._fatal:
+                    self.failure, self._fatal = msg.message, True
 
     def _on_ready(self, msg: Ready) -> None:
         self.info = msg
         c = self.config
         self.scheduler = Scheduler(c.max_batch, c.max_waiting, c.prefill_budget, msg.eos_token_id)
         log.info("weights loaded in %.2f s: model %s, vocab %d", msg.load_seconds, msg.model, msg.vocab_size)
+        if self.down is not None:
+            log.info("serving again after restart %d", self.restarts)
+            self.down = None
         self.ready.set()
 
     async def _loop(self) -> None:
-        await self.ready.wait()
         loop = asyncio.get_running_loop()
-        while self.failure is None:
+        while True:
+            await self.ready.wait()
             step = self.scheduler.plan()
             if step is None:
                 self._wakeup.clear()
@@ -207,7 +235,10 @@ class Engine:
             sent = time.perf_counter()
             for w in self.workers:
                 w.to.send(step)
-            done: StepDone = await self._step_done
+            try:
+                done: StepDone = await self._step_done
+            except WorkerGone:  # its requests have failed; the next plan comes from the next workers
+                continue
             if self.cache is not None:
                 self.cache.on_step(done, self.scheduler)
             self.scheduler.on_done(done)
@@ -220,16 +251,42 @@ class Engine:
             log.info("worker %d stopped", w.proc.pid)
             return
         cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        self.failure = self.failure or f"the worker process died ({cause})"
         log.error("worker %d ended: %s", w.proc.pid, cause)
-        for other in self.workers:  # tensor-parallel ranks cannot go on without it
-            if other is not w and other.proc is not None and other.proc.returncode is None:
-                other.proc.kill()
+        if w not in self.workers or self._lost or self._stopping:  # a rank taken down with another one
+            return
+        self._lost = True
+        was_ready = self.ready.is_set()
         self.ready.clear()
+        for other in self.workers:  # tensor-parallel ranks cannot go on without it
+            if other.proc is not None and other.proc.returncode is None:
+                other.proc.kill()
         if self.scheduler is not None:
             self.scheduler.fail_all(503, "the model worker died; retry later")
         if self._step_done is not None and not self._step_done.done():
-            self._step_done.cancel()
+            self._step_done.set_exception(WorkerGone(cause))
+        if self.cache is not None:
+            self.cache.worker_lost()
+        if not was_ready:  # it died loading: loading again would fail again
+            self.failure = self.failure or f"the worker process died while loading ({cause})"
+            return
+        now = time.monotonic()
+        self._crashes.append(now)
+        while now - self._crashes[0] > RESTART_WINDOW:
+            self._crashes.popleft()
+        delay = min(RESTART_DELAY_MAX, 2.0 ** (len(self._crashes) - 1))
+        self.down = f"the model worker died ({cause}); restarting"
+        log.warning("restarting the workers in %.0f s", delay)
+        self._tasks.append(asyncio.create_task(self._restart(delay)))
 
+    async def _restart(self, delay: float) -> None:
+        old = self.workers
+        await asyncio.gather(*(w.proc.wait() for w in old if w.proc is not None))  # their GPU memory is free
+        await asyncio.sleep(delay)
+        loop = asyncio.get_running_loop()
+        for w in old:
+            w.back.detach_from_loop(loop)
+            w.close()
+        self.restarts += 1
+        await self._spawn()
 
 __all__ = ["Engine", "EngineConfig", "QueueFull", "WorkerGone"]

@@ -220,6 +220,16 @@ class ConversationCache:
                     self._coming[key] = loop.create_future()
             self._step_keys[step.step] = keys
 
+    def worker_lost(self) -> None:
+        """The worker died: the snapshots it was making will never be written."""
+        for res, _ in self._pending.values():
+            self.store.abort(res)
+        self._pending.clear()
+        self._step_keys.clear()
+        for key in list(self._coming):
+            self._arrived(key, False)
+        self._publish_stats()
+
     def _arrived(self, key: str, ok: bool) -> None:
         future = self._coming.pop(key, None)
         if future is not None and not future.done():
