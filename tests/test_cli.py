@@ -116,6 +116,7 @@ def test_serve_refuses_options_it_cannot_honour_in_one_line(args, message, tmp_p
         (["--max-batch", "0"], {}, "argument --max-batch: must be at least 1, got 0"),  # no request would ever run
         (["--numerics", "bogus"], {}, "argument --numerics: invalid choice: 'bogus' (choose from 'reference', 'exact')"),  # the worker died of it
         (["--kv-fetch-timeout", "0"], {}, "argument --kv-fetch-timeout: must be at least 0.001, got 0"),
+        (["--step-timeout", "inf"], {}, "argument --step-timeout: must be in 0..1000000.0, got inf"),
     ],
 )
 def test_serve_refuses_a_bad_option_or_environment_value_in_one_line(args, env, message):

@@ -674,6 +674,32 @@ def test_a_killed_worker_fails_its_requests_at_once_then_is_restarted_with_the_c
     assert after["usage"]["prompt_cache_hit_tokens"] == after["usage"]["prompt_tokens"] - 1
 
 
+def test_a_hung_worker_is_killed_at_the_step_timeout_and_restarted(start_server):
+    s = start_server("--step-timeout", "5")
+    pid = s.worker_pid()
+
+    async def main() -> list[str]:
+        stream = await sse_stream(s.port, greedy("Tell me a very long story.", 500))
+        try:
+            await stream.read_until_content(2)
+            os.kill(pid, signal.SIGSTOP)  # frozen, as by a GPU fault or a collective that never completes
+            return await asyncio.wait_for(stream.rest(), 30)
+        finally:
+            await stream.close()
+
+    began = time.monotonic()
+    rest = asyncio.run(main())
+    assert time.monotonic() - began >= 4  # not before the timeout
+    errors = [json.loads(e)["error"] for e in rest[:-1] if "error" in json.loads(e)]
+    assert rest[-1] == "[DONE]" and errors and "worker" in errors[-1]["message"]
+    s.wait_ready(60)
+    assert s.worker_pid() != pid and not Path(f"/proc/{pid}").exists()
+    assert re.search(r"step \d+ has run for 5 s: the workers are stuck; killing them", s.log())
+    assert re.search(rf"worker {pid} ended: stuck: step \d+ ran past the 5 s step timeout", s.log())
+    status, _, raw = http("POST", s.url + CHAT, greedy("After the hang", 4))
+    assert status == 200 and json.loads(raw)["choices"][0]["finish_reason"] == "length"
+
+
 def test_a_worker_that_dies_while_loading_is_not_restarted(start_server):
     s = start_server(wait=False)
     deadline = time.monotonic() + 60

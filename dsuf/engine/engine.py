@@ -52,6 +52,7 @@ class EngineConfig:
     random_weights: str | None = None  # GPU path: a config.json whose shapes get random weights
     max_context: int = 0  # GPU path: tokens a sequence may hold (its caches are preallocated)
     speculative: bool = False  # MTP drafts verified with the next token
+    step_timeout: float = 300.0  # seconds a step may run before its workers count as stuck (0: no limit)
 
 
 class WorkerGone(Exception):
@@ -114,6 +115,7 @@ class Engine:
         self._crashes: deque[float] = deque()  # when recent crashes happened (monotonic seconds)
         self._lost = False  # a worker of the current ones has died (they are all being taken down)
         self._fatal = False  # `failure` is a worker's own report of why it could not load
+        self._killed: str | None = None  # why the engine killed the current workers
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -128,7 +130,7 @@ class Engine:
         ranks = len(cfg.gpus) or 1
         rendezvous = f"tcp://127.0.0.1:{free_port()}" if ranks > 1 else None
         self._readies.clear()
-        self._lost = False
+        self._lost, self._killed = False, None
         self.workers = [WorkerProcess.create() for _ in range(ranks)]
         for rank, w in enumerate(self.workers):
             w.back.attach_to_loop(loop, lambda messages, rank=rank: self._on_messages(rank, messages))
@@ -236,7 +238,7 @@ class Engine:
             for w in self.workers:
                 w.to.send(step)
             try:
-                done: StepDone = await self._step_done
+                done = await self._await_step(step.step)
             except WorkerGone:  # its requests have failed; the next plan comes from the next workers
                 continue
             if self.cache is not None:
@@ -245,12 +247,26 @@ class Engine:
             if self.on_step is not None:
                 self.on_step(done, time.perf_counter() - sent)
 
+    async def _await_step(self, n: int) -> StepDone:
+        """The step's result; a step that outlasts step_timeout has hung workers (a GPU fault, a
+        collective that never completes): they are killed, which fails its requests and restarts them."""
+        limit = self.config.step_timeout or None
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._step_done), limit)
+        except TimeoutError:
+            self._killed = f"stuck: step {n} ran past the {limit:g} s step timeout"
+            log.error("step %d has run for %g s: the workers are stuck; killing them", n, limit)
+            for w in self.workers:
+                if w.proc is not None and w.proc.returncode is None:
+                    w.proc.kill()
+            return await self._step_done  # raises WorkerGone once the supervisor has seen them end
+
     async def _supervise(self, w: WorkerProcess) -> None:
         code = await w.proc.wait()
         if self._stopping and code == 0:
             log.info("worker %d stopped", w.proc.pid)
             return
-        cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        cause = self._killed or (f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
         log.error("worker %d ended: %s", w.proc.pid, cause)
         if w not in self.workers or self._lost or self._stopping:  # a rank taken down with another one
             return
