@@ -27,6 +27,7 @@ EMBEDDED_MAX_MODEL_LEN = 1024  # a random model rarely says EOS: keep its answer
 GPU_DEFAULT_CONTEXT = 65536
 CPU_PREFILL_CHUNK = 256  # prompt tokens a step, CPU reference path
 GPU_PREFILL_CHUNK = 8192  # a step's prompt tokens on the GPU path: one large prefill chunk (dsuf.gpu.model)
+GPU_STEP_TIMEOUT = 300.0  # seconds: far beyond any step of the GPU path (an 8192-token chunk at 1M context takes seconds)
 # The tokens that end a part of a turn (where conversation snapshots are taken); the first one
 # opens the answer.
 TURN_TOKENS = ("<｜Assistant｜>", "<think>", "</think>", "<｜end▁of▁sentence｜>")
@@ -101,8 +102,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "512 tokens or more run there as large chunks on the tensor cores, stalling other sequences' decoding meanwhile)", number())
     opt("numerics", "reference", "reference or exact", choices=["reference", "exact"])
     opt("grace", 30.0, "seconds SIGTERM waits for running requests", number(float))
-    opt("step-timeout", 300.0, "seconds one step may run before its workers count as hung: they are killed, their "
-        "requests fail and they restart (0: no limit)", number(float, most=1e6))
+    opt("step-timeout", None, "seconds one step may run before its workers count as hung: they are killed, their requests "
+        f"fail and they restart; default {GPU_STEP_TIMEOUT:g} on the GPU path, none on the CPU path (0: none)", number(float, most=1e6))
     opt("kv-host-bytes", 2 << 30, "host memory for conversation caches (shared memory; 0 turns caching off)", number())
     opt("redis-url", None, "Redis of the fleet: conversation caches are advertised there and fetched from peers")
     opt("server-id", None, "this server's id in the fleet; default: HOST:PORT")
@@ -174,7 +175,7 @@ async def serve(args: argparse.Namespace) -> int:
         where, args.numerics, args.max_batch, args.max_waiting, args.prefill_chunk or (GPU_PREFILL_CHUNK if gpus else CPU_PREFILL_CHUNK),
         arena=arena.name if arena else None, revision=cache.revision if cache else "",
         gpus=tuple(gpus), random_weights=args.random_weights, max_context=-(-max_len // 128) * 128, speculative=args.speculative,
-        step_timeout=args.step_timeout,
+        step_timeout=args.step_timeout if args.step_timeout is not None else GPU_STEP_TIMEOUT if gpus else 0.0,
     ))
     engine.cache = cache
     state = ServerState(api_key=args.api_key, cache=cache)

@@ -52,7 +52,7 @@ class EngineConfig:
     random_weights: str | None = None  # GPU path: a config.json whose shapes get random weights
     max_context: int = 0  # GPU path: tokens a sequence may hold (its caches are preallocated)
     speculative: bool = False  # MTP drafts verified with the next token
-    step_timeout: float = 300.0  # seconds a step may run before its workers count as stuck (0: no limit)
+    step_timeout: float = 0.0  # seconds a step may run before its workers count as stuck (0: no limit)
 
 
 class WorkerGone(Exception):
