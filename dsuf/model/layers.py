@@ -496,15 +496,28 @@ class MoE:
         return y.to(num.dtype)
 
 
-def experts_of(w: Weights, prefix: str) -> tuple[list[Expert], Expert]:
-    """The routed experts and the shared expert of the MoE under `prefix` (…ffn), SwiGLU-clamped."""
+def moe_of(w: Weights, prefix: str, **routing) -> MoE:
+    """The MoE under `prefix` (…ffn): its gate, routed experts and shared expert, SwiGLU-clamped;
+    `routing` gives the family's bias / tid2eid / bias_vl / route_eps."""
     c = w.config
 
     def expert(p: str) -> Expert:
         return Expert(w.linear(f"{p}.w1"), w.linear(f"{p}.w2"), w.linear(f"{p}.w3"), c.swiglu_limit)
 
     n_experts, _ = c.n_experts_of(prefix)
-    return [expert(f"{prefix}.experts.{e}") for e in range(n_experts)], expert(f"{prefix}.shared_experts")
+    return MoE(
+        gate=w.float(f"{prefix}.gate.weight").to(ACC),
+        experts=[expert(f"{prefix}.experts.{e}") for e in range(n_experts)],
+        shared=expert(f"{prefix}.shared_experts"),
+        top_k=c.n_activated_experts,
+        route_scale=c.route_scale,
+        **routing,
+    )
+
+
+def hyper_connection(w: Weights, site: str) -> HyperConnection:
+    """The mHC site `site` (e.g. layers.3.hc_attn): its fn, base and scale."""
+    return HyperConnection(*(w.float(f"{site}_{k}") for k in ("fn", "base", "scale")))
 
 
 # ---- the model interface ---------------------------------------------------------------------------

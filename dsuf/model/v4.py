@@ -22,9 +22,7 @@ from .config import ModelConfig
 from .layers import (
     ACC,
     INDEX_FP4_BLOCK,
-    HyperConnection,
     IndexScorer,
-    MoE,
     Numerics,
     ReferenceModel,
     Rope,
@@ -32,10 +30,11 @@ from .layers import (
     SparseAttention,
     Weights,
     acc_matmul,
-    experts_of,
     f64,
     hc_collapse,
     hc_expand,
+    hyper_connection,
+    moe_of,
     rms_norm,
     select_topk,
 )
@@ -130,21 +129,15 @@ class Block:
     def __init__(self, w: Weights, prefix: str, ratio: int, hash_layer: bool) -> None:
         c = w.config
         self.c = c
-        self.hc_attn = HyperConnection(*(w.float(f"{prefix}.hc_attn_{k}") for k in ("fn", "base", "scale")))
-        self.hc_ffn = HyperConnection(*(w.float(f"{prefix}.hc_ffn_{k}") for k in ("fn", "base", "scale")))
+        self.hc_attn, self.hc_ffn = hyper_connection(w, f"{prefix}.hc_attn"), hyper_connection(w, f"{prefix}.hc_ffn")
         self.attn_norm = w.float(f"{prefix}.attn_norm.weight")
         self.ffn_norm = w.float(f"{prefix}.ffn_norm.weight")
         self.attn = Attention(w, f"{prefix}.attn", ratio)
         f = f"{prefix}.ffn"
-        experts, shared = experts_of(w, f)
-        self.ffn = MoE(
-            gate=w.float(f"{f}.gate.weight").to(ACC),
+        self.ffn = moe_of(
+            w, f,
             bias=None if hash_layer else w.float(f"{f}.gate.bias"),
             tid2eid=w.raw(f"{f}.gate.tid2eid") if hash_layer else None,
-            experts=experts,
-            shared=shared,
-            top_k=c.n_activated_experts,
-            route_scale=c.route_scale,
         )
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, segments: list[Segment], num: Numerics) -> torch.Tensor:
@@ -161,7 +154,7 @@ class HyperHead:
     """The final collapse of the streams: pre = sigmoid(mix·scale + base) + eps, no Sinkhorn."""
 
     def __init__(self, w: Weights, prefix: str) -> None:
-        self.site = HyperConnection(*(w.float(f"{prefix}_{k}") for k in ("fn", "base", "scale")))
+        self.site = hyper_connection(w, prefix)
 
     def __call__(self, x: torch.Tensor, norm_eps: float, hc_eps: float) -> torch.Tensor:
         pre = f64(torch.sigmoid, self.site.mixes(x, norm_eps) * self.site.scale + self.site.base) + hc_eps

@@ -33,20 +33,19 @@ from .engram import Engram, EngramTable, NgramHasher, compressed_vocabulary
 from .layers import (
     ACC,
     Compressor,
-    HyperConnection,
     IndexScorer,
     Linear,
-    MoE,
     Numerics,
     ReferenceModel,
     Segment,
     SparseAttention,
     Weights,
     acc_matmul,
-    experts_of,
     hc_collapse,
     hc_expand,
+    hyper_connection,
     load_rows,
+    moe_of,
     rms_norm,
     select_topk,
     store_rows,
@@ -163,21 +162,15 @@ class V41Block:
     def __init__(self, w: Weights, prefix: str, layer: int, engram_index: int | None) -> None:
         c = w.config
         self.c = c
-        self.hc_attn = HyperConnection(*(w.float(f"{prefix}.hc_attn_{k}") for k in ("fn", "base", "scale")))
-        self.hc_ffn = HyperConnection(*(w.float(f"{prefix}.hc_ffn_{k}") for k in ("fn", "base", "scale")))
+        self.hc_attn, self.hc_ffn = hyper_connection(w, f"{prefix}.hc_attn"), hyper_connection(w, f"{prefix}.hc_ffn")
         self.attn_norm = w.float(f"{prefix}.attn_norm.weight")
         self.ffn_norm = w.float(f"{prefix}.ffn_norm.weight")
         self.attn = CSA2Attention(w, f"{prefix}.attn", layer)
         f = f"{prefix}.ffn"
-        experts, shared = experts_of(w, f)
-        self.ffn = MoE(
-            gate=w.float(f"{f}.gate.weight").to(ACC),  # gate_temp is 1.0
+        self.ffn = moe_of(  # gate_temp is 1.0
+            w, f,
             bias=w.float(f"{f}.gate.bias"),
             tid2eid=None,
-            experts=experts,
-            shared=shared,
-            top_k=c.n_activated_experts,
-            route_scale=c.route_scale,
             bias_vl=w.float(f"{f}.gate.bias_vl") if c.vision is not None else None,
             route_eps=ROUTE_EPS,
         )
