@@ -447,6 +447,15 @@ def test_single_file_checkpoint_with_extra_tensor_fails(tiny, expected, tmp_path
     assert "layers.9.attn_norm.weight" in checkpoint_error(folder, tiny[1])
 
 
+def test_a_shard_cut_short_is_named_in_the_error(tiny, tmp_path):
+    folder = tmp_path / "cut"
+    shutil.copytree(tiny[0], folder)
+    shard = sorted(folder.glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])  # a download that stopped 100 bytes early
+    message = checkpoint_error(folder, tiny[1])
+    assert message.startswith(f"shard {shard.name} cannot be read (") and "damaged or incomplete" in message
+
+
 # ---- tensor parallelism ---------------------------------------------------------------------------
 
 # The split points of DeepSeek's converter, written out independently of the library's rules.

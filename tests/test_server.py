@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -633,6 +634,7 @@ def test_more_requests_than_fit_get_429_with_retry_after(start_server):
 
 
 def test_a_killed_worker_fails_its_requests_at_once_then_is_restarted_with_the_caches_kept(start_server):
+    """Also when it dies again while reloading: only a failed first load is final."""
     s = start_server()
     pid = s.worker_pid()
     assert b"dsuf.worker.main" in Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -662,11 +664,18 @@ def test_a_killed_worker_fails_its_requests_at_once_then_is_restarted_with_the_c
     assert status == 503 and headers.get("Retry-After")
     assert "restarting" in assert_error_body(raw, 503)["message"]
 
+    # Killed again while it reloads: a reload that fails is retried too (it loaded once), 2 s later.
+    deadline = time.monotonic() + 30
+    while (reloading := s.worker_pid()) == pid:
+        assert time.monotonic() < deadline, s.log()
+        time.sleep(0.01)
+    os.kill(reloading, signal.SIGKILL)
     s.wait_ready(60)
-    assert s.worker_pid() != pid
+    assert s.worker_pid() not in (pid, reloading)
     log = s.log()
-    assert re.search(rf"worker {pid} ended: signal SIGKILL", log) and "serving again after restart 1" in log
-    assert re.search(r"^dsuf:worker_restarts 1\.0$", http("GET", s.url + "/metrics")[2].decode(), re.M)
+    assert re.search(rf"worker {pid} ended: signal SIGKILL", log) and re.search(rf"worker {reloading} ended: signal SIGKILL", log)
+    assert "restarting the workers in 2 s" in log and "serving again after restart 2" in log
+    assert re.search(r"^dsuf:worker_restarts 2\.0$", http("GET", s.url + "/metrics")[2].decode(), re.M)
     status, _, raw = http("POST", s.url + CHAT, greedy("Before the crash", 6))
     after = json.loads(raw)
     assert status == 200 and after["choices"][0]["message"] == before["choices"][0]["message"]
@@ -700,7 +709,24 @@ def test_a_hung_worker_is_killed_at_the_step_timeout_and_restarted(start_server)
     assert status == 200 and json.loads(raw)["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_worker_that_dies_while_loading_is_not_restarted(start_server):
+def test_a_checkpoint_that_fails_to_load_is_reported_not_retried(start_server, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(embedded_checkpoint(), ckpt)
+    shard = sorted(ckpt.glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a download cut short
+    s = start_server("--ckpt", str(ckpt), wait=False)
+    deadline = time.monotonic() + 60
+    while (state := json.loads(http("GET", s.url + "/readyz")[2]) if s.readyz() != "refused" else {"status": "refused"})["status"] != "failed":
+        assert time.monotonic() < deadline, s.log()
+        time.sleep(0.05)
+    assert f"loading {ckpt} failed" in state["detail"] and shard.name in s.log()
+    status, _, raw = http("POST", s.url + CHAT, greedy("Anyone there?", 2), timeout=10)
+    assert assert_error_body(raw, 503)["message"] == state["detail"]
+    time.sleep(2)  # (a restart would have begun within 1 s)
+    assert len(re.findall(r"worker started", s.log())) == 1
+
+
+def test_a_worker_that_dies_in_its_first_load_is_not_restarted(start_server):
     s = start_server(wait=False)
     deadline = time.monotonic() + 60
     while not re.search(r"worker started \(pid \d+,", s.log()):

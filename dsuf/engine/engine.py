@@ -6,10 +6,11 @@ workers' `StepDone`s (delivered by the event loop's reader on the doorbell fds, 
 complete it; the first worker's (the tensor-parallel leader's) carries the tokens and snapshots.
 
 A worker that exits fails every in-flight request with a 503 at once (nothing waits forever) and
-the engine reports not ready. If the workers had loaded, they are all started again (tensor-
-parallel ranks cannot go on without each other) after a back-off that grows with repeated crashes,
-and serving resumes with the conversation caches intact: they live in the front end's arena. A
-worker that fails while loading is not restarted: a bad checkpoint would fail again.
+the engine reports not ready. Once the workers have loaded, they are all started again after any
+failure (tensor-parallel ranks cannot go on without each other), reloads that fail included, after
+a back-off that grows with repeated crashes; serving resumes with the conversation caches intact:
+they live in the front end's arena. If the first load fails, nothing is restarted: a bad
+checkpoint would fail again.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class Engine:
         self._crashes: deque[float] = deque()  # when recent crashes happened (monotonic seconds)
         self._lost = False  # a worker of the current ones has died (they are all being taken down)
         self._fatal = False  # `failure` is a worker's own report of why it could not load
-        self._killed: str | None = None  # why the engine killed the current workers
+        self._cause: str | None = None  # why the current workers ended, where it says more than their exit code
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -130,7 +131,7 @@ class Engine:
         ranks = len(cfg.gpus) or 1
         rendezvous = f"tcp://127.0.0.1:{free_port()}" if ranks > 1 else None
         self._readies.clear()
-        self._lost, self._killed = False, None
+        self._lost, self._cause = False, None
         self.workers = [WorkerProcess.create() for _ in range(ranks)]
         for rank, w in enumerate(self.workers):
             w.back.attach_to_loop(loop, lambda messages, rank=rank: self._on_messages(rank, messages))
@@ -209,7 +210,9 @@ class Engine:
                     self._on_ready(self._readies[0])
             elif isinstance(msg, Fatal):  # sent when loading fails: its cause says more than the exit code
                 log.error("worker %d: %s", rank, msg.message)
-                if self.failure is None or not self._fatal:
+                if self.info is not None:  # (reloading after a crash)
+                    self._cause = self._cause or msg.message
+                elif self.failure is None or not self._fatal:
                     self.failure, self._fatal = msg.message, True
 
     def _on_ready(self, msg: Ready) -> None:
@@ -254,7 +257,7 @@ class Engine:
         try:
             return await asyncio.wait_for(asyncio.shield(self._step_done), limit)
         except TimeoutError:
-            self._killed = f"stuck: step {n} ran past the {limit:g} s step timeout"
+            self._cause = f"stuck: step {n} ran past the {limit:g} s step timeout"
             log.error("step %d has run for %g s: the workers are stuck; killing them", n, limit)
             for w in self.workers:
                 if w.proc is not None and w.proc.returncode is None:
@@ -266,12 +269,11 @@ class Engine:
         if self._stopping and code == 0:
             log.info("worker %d stopped", w.proc.pid)
             return
-        cause = self._killed or (f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
+        cause = self._cause or (f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}")
         log.error("worker %d ended: %s", w.proc.pid, cause)
         if w not in self.workers or self._lost or self._stopping:  # a rank taken down with another one
             return
         self._lost = True
-        was_ready = self.ready.is_set()
         self.ready.clear()
         for other in self.workers:  # tensor-parallel ranks cannot go on without it
             if other.proc is not None and other.proc.returncode is None:
@@ -282,7 +284,7 @@ class Engine:
             self._step_done.set_exception(WorkerGone(cause))
         if self.cache is not None:
             self.cache.worker_lost()
-        if not was_ready:  # it died loading: loading again would fail again
+        if self.info is None:  # the first load failed: loading again would fail again
             self.failure = self.failure or f"the worker process died while loading ({cause})"
             return
         now = time.monotonic()

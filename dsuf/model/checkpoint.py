@@ -352,9 +352,18 @@ def read_index(ckpt_dir: Path) -> dict[str, str]:
         return weight_map
     single = ckpt_dir / "model.safetensors"
     if single.is_file():
-        with safe_open(single, "pt") as f:
+        with open_shard(single) as f:
             return {name: single.name for name in f.keys()}
     raise CheckpointError(f"no model.safetensors.index.json or model.safetensors in {ckpt_dir}")
+
+
+def open_shard(path: Path):
+    """safe_open(path), with a damaged or cut-short file named in the error (safetensors' own
+    message does not say which of a checkpoint's files it read)."""
+    try:
+        return safe_open(path, "pt")
+    except Exception as exc:
+        raise CheckpointError(f"shard {path.name} cannot be read ({exc}; {path.stat().st_size} bytes): damaged or incomplete?") from None
 
 
 def checkpoint_revision(ckpt_dir: str | Path) -> str:
@@ -433,7 +442,7 @@ def load_tensors(
         path = ckpt_dir / file
         if not path.is_file():
             raise CheckpointError(f"shard {file} named in the index is missing from {ckpt_dir}")
-        with safe_open(path, "pt") as f:
+        with open_shard(path) as f:
             present = set(f.keys())
             unindexed = [n for n in present if n not in weight_map]
             if unindexed:
