@@ -226,29 +226,36 @@ class Engine:
         self.ready.set()
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self.ready.wait()
-            step = self.scheduler.plan()
-            if step is None:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            if self.cache is not None:
-                self.cache.expect(step)
-            self._step_done, self._done = loop.create_future(), {}
-            sent = time.perf_counter()
-            for w in self.workers:
-                w.to.send(step)
             try:
-                done = await self._await_step(step.step)
+                await self._run_step()
             except WorkerGone:  # its requests have failed; the next plan comes from the next workers
                 continue
-            if self.cache is not None:
-                self.cache.on_step(done, self.scheduler)
-            self.scheduler.on_done(done)
-            if self.on_step is not None:
-                self.on_step(done, time.perf_counter() - sent)
+            except Exception as exc:  # front end and workers no longer agree on what each sequence holds
+                log.exception("the step loop failed")
+                self._step_done = None  # (if one was sent, nothing awaits its result any more)
+                self._take_down(f"a front-end error: {type(exc).__name__}: {exc}")
+
+    async def _run_step(self) -> None:
+        """Plan a step, send it to every worker and hand its result on (or wait for work)."""
+        step = self.scheduler.plan()
+        if step is None:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+            return
+        if self.cache is not None:
+            self.cache.expect(step)
+        self._step_done, self._done = asyncio.get_running_loop().create_future(), {}
+        sent = time.perf_counter()
+        for w in self.workers:
+            w.to.send(step)
+        done = await self._await_step(step.step)
+        if self.cache is not None:
+            self.cache.on_step(done, self.scheduler)
+        self.scheduler.on_done(done)
+        if self.on_step is not None:
+            self.on_step(done, time.perf_counter() - sent)
 
     async def _await_step(self, n: int) -> StepDone:
         """The step's result; a step that outlasts step_timeout has hung workers (a GPU fault, a
@@ -257,12 +264,17 @@ class Engine:
         try:
             return await asyncio.wait_for(asyncio.shield(self._step_done), limit)
         except TimeoutError:
-            self._cause = f"stuck: step {n} ran past the {limit:g} s step timeout"
             log.error("step %d has run for %g s: the workers are stuck; killing them", n, limit)
-            for w in self.workers:
-                if w.proc is not None and w.proc.returncode is None:
-                    w.proc.kill()
+            self._take_down(f"stuck: step {n} ran past the {limit:g} s step timeout")
             return await self._step_done  # raises WorkerGone once the supervisor has seen them end
+
+    def _take_down(self, cause: str) -> None:
+        """Kill the current workers; their supervisors then fail the requests and restart them."""
+        self._cause = self._cause or cause
+        self.ready.clear()
+        for w in self.workers:
+            if w.proc is not None and w.proc.returncode is None:
+                w.proc.kill()
 
     async def _supervise(self, w: WorkerProcess) -> None:
         code = await w.proc.wait()
@@ -274,12 +286,9 @@ class Engine:
         if w not in self.workers or self._lost or self._stopping:  # a rank taken down with another one
             return
         self._lost = True
-        self.ready.clear()
-        for other in self.workers:  # tensor-parallel ranks cannot go on without it
-            if other.proc is not None and other.proc.returncode is None:
-                other.proc.kill()
+        self._take_down(cause)  # tensor-parallel ranks cannot go on without it
         if self.scheduler is not None:
-            self.scheduler.fail_all(503, "the model worker died; retry later")
+            self.scheduler.fail_all(503, f"the model workers stopped ({cause}); retry shortly")
         if self._step_done is not None and not self._step_done.done():
             self._step_done.set_exception(WorkerGone(cause))
         if self.cache is not None:
@@ -292,7 +301,7 @@ class Engine:
         while now - self._crashes[0] > RESTART_WINDOW:
             self._crashes.popleft()
         delay = min(RESTART_DELAY_MAX, 2.0 ** (len(self._crashes) - 1))
-        self.down = f"the model worker died ({cause}); restarting"
+        self.down = f"the model workers stopped ({cause}); restarting"
         log.warning("restarting the workers in %.0f s", delay)
         self._tasks.append(asyncio.create_task(self._restart(delay)))
 
