@@ -104,6 +104,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt("grace", 30.0, "seconds SIGTERM waits for running requests", number(float))
     opt("step-timeout", None, "seconds one step may run before its workers count as hung: they are killed, their requests "
         f"fail and they restart; default {GPU_STEP_TIMEOUT:g} on the GPU path, none on the CPU path (0: none)", number(float, most=1e6))
+    opt("log-stats", 10.0, "seconds between log lines of throughput and queue lengths (only while busy; 0: none)", number(float, most=1e6))
     opt("kv-host-bytes", 2 << 30, "host memory for conversation caches (shared memory; 0 turns caching off)", number())
     opt("redis-url", None, "Redis of the fleet: conversation caches are advertised there and fetched from peers")
     opt("server-id", None, "this server's id in the fleet; default: HOST:PORT")
@@ -179,7 +180,7 @@ async def serve(args: argparse.Namespace) -> int:
     ))
     engine.cache = cache
     state = ServerState(api_key=args.api_key, cache=cache)
-    app = create_app(engine, chat, state)
+    app = create_app(engine, chat, state, stats_interval=args.log_stats)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

@@ -630,6 +630,24 @@ def test_more_requests_than_fit_get_429_with_retry_after(start_server):
     assert status == 200
 
 
+def test_a_busy_server_logs_its_throughput_and_an_idle_one_is_quiet(start_server):
+    s = start_server("--log-stats", "0.5")
+    status, _, raw = http("POST", s.url + CHAT, greedy("Count to ten.", 16))
+    usage = json.loads(raw)["usage"]
+    line = re.compile(r"([\d.]+) prompt tokens/s \((\d+)% from caches\), ([\d.]+) generated tokens/s; (\d+) running, (\d+) waiting")
+    deadline = time.monotonic() + 10
+    while sum(float(m[3]) for m in line.finditer(s.log())) * 0.5 < usage["completion_tokens"]:
+        assert time.monotonic() < deadline, s.log()
+        time.sleep(0.1)
+    time.sleep(1.0)
+    seen = list(line.finditer(s.log()))
+    assert sum(float(m[1]) for m in seen) * 0.5 == usage["prompt_tokens"]
+    assert sum(float(m[3]) for m in seen) * 0.5 == usage["completion_tokens"]
+    assert {m[2] for m in seen} == {"0"}
+    time.sleep(1.5)  # three idle intervals
+    assert len(list(line.finditer(s.log()))) == len(seen)
+
+
 # ----------------------------------------------------------------------------------- worker death
 
 

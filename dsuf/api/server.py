@@ -231,10 +231,31 @@ async def metrics_route(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-def create_app(engine: Engine, chat: ChatFrontend, state: ServerState, max_body: int = 16 << 20) -> web.Application:
+async def log_stats(engine: Engine, metrics: Metrics, interval: float) -> None:
+    """Every `interval` seconds in which something ran: throughput and queue lengths, in one line."""
+    names = ("dsuf:prompt_tokens_total", "dsuf:generation_tokens_total", "dsuf:prompt_cache_hit_tokens_total")
+    before = [0.0] * len(names)
+    while True:
+        await asyncio.sleep(interval)
+        now = [metrics.registry.get_sample_value(n) or 0.0 for n in names]
+        prompt, generated, hits = (b - a for a, b in zip(before, now))
+        before = now
+        if prompt or generated or engine.running or engine.waiting:
+            log.info("%.1f prompt tokens/s (%.0f%% from caches), %.1f generated tokens/s; %d running, %d waiting",
+                     prompt / interval, 100 * hits / prompt if prompt else 0, generated / interval, engine.running, engine.waiting)
+
+
+def create_app(engine: Engine, chat: ChatFrontend, state: ServerState, max_body: int = 16 << 20, stats_interval: float = 0) -> web.Application:
     app = web.Application(client_max_size=max_body, middlewares=[errors_as_openai_bodies, bearer_auth])
     metrics = Metrics()
     app[ENGINE], app[CHAT], app[STATE], app[METRICS] = engine, chat, state, metrics
+    if stats_interval:
+        async def stats_task(app: web.Application):
+            task = asyncio.create_task(log_stats(engine, metrics, stats_interval))
+            yield
+            task.cancel()
+
+        app.cleanup_ctx.append(stats_task)
 
     def count_step(done, roundtrip: float) -> None:
         metrics.steps.inc()
