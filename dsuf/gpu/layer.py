@@ -107,6 +107,10 @@ class LayerCache:
             cache.idx_kv, cache.idx_score = compressor_state(slots, 4, c.index_head_dim, device)
         return cache
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.pool, self.comp_kv, self.comp_score, self.keys, self.idx_kv, self.idx_score) if t is not None)
+
     def chunk_at(self, first: int, rows: int) -> tuple[int, int]:
         """step_index's `chunk` for a prefill chunk of `rows` rows from position `first`."""
         if rows > self.scratch:

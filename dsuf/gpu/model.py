@@ -69,6 +69,34 @@ SPLIT_CHUNKS = True  # split over ranks, a prompt chunk's streams are split by r
 DRAFT_GRAPH_ROWS = 2  # MTP drafts of up to this many rows (a decode step's one, or two after an accepted draft) replay graphs
 
 
+def prefill_rows(max_context: int) -> int:
+    """A prefill chunk's rows: as many as the index scores of its rows against every key allow."""
+    return max(PREFILL_CHUNK, min(PREFILL_MAX, max_context, INDEX_SCORE_BYTES // (4 * max(1, max_context // 4))))
+
+
+def new_caches(c: ModelConfig, max_batch: int, max_context: int, device: torch.device, mtp: bool) -> tuple[list[LayerCache], LayerCache | None]:
+    """Every layer's caches of max_batch sequences (and slot 0, the scratch), and the MTP layer's."""
+    slots = max_batch + 1
+    caches = [LayerCache.new(c, c.compress_ratios[i], slots, max_context, device, scratch=prefill_rows(max_context)) for i in range(c.n_layers)]
+    return caches, LayerCache.new(c, 0, slots, max_context, device) if mtp else None
+
+
+def check_cache_room(c: ModelConfig, max_batch: int, max_context: int, mtp: bool, free: int, device: object = "the GPU") -> None:
+    """Refuse, naming the largest --max-batch that fits, caches larger than the `free` bytes
+    (e.g. a 1M-token context at the default batch: about 225 GiB a GPU)."""
+
+    def need(batch: int) -> int:
+        caches, mtp_cache = new_caches(c, batch, max_context, torch.device("meta"), mtp)
+        return sum(cache.nbytes for cache in caches + ([mtp_cache] if mtp_cache else []))
+
+    if need(max_batch) <= free:
+        return
+    fits = [b for b in range(1, max_batch) if need(b) <= free]
+    advice = f"use --max-batch {fits[-1]} or less" if fits else "even one sequence does not fit"
+    raise ValueError(f"caches for {max_batch} sequences of {max_context} tokens need {need(max_batch) / 2**30:.1f} GiB on {device}, "
+                     f"which has {free / 2**30:.1f} GiB free after the weights: {advice}, or lower --max-model-len")
+
+
 def step_rows(max_batch: int) -> int:
     """Rows a step holds at most: a decode token of every sequence, or a prompt chunk."""
     return max(max_batch, PREFILL_CHUNK)
@@ -153,11 +181,11 @@ class GpuModel:
         for layer in self.layers + ([self.mtp.layer] if self.mtp else []):
             layer.moe.reserve(max(rows, GROUPED_MIN_TOKENS - 1) * c.n_activated_experts)
         slots = max_batch + 1
-        # A prefill chunk: as long as the index scores of its rows against every key allow.
-        self.prefill_rows = max(PREFILL_CHUNK, min(PREFILL_MAX, max_context, INDEX_SCORE_BYTES // (4 * max(1, max_context // 4))))
-        self.caches = [LayerCache.new(c, layer.ratio, slots, max_context, device, scratch=self.prefill_rows) for layer in self.layers]
+        self.prefill_rows = prefill_rows(max_context)
+        check_cache_room(c, max_batch, max_context, self.mtp is not None, torch.cuda.mem_get_info(device)[0], device)
+        self.caches, mtp_cache = new_caches(c, max_batch, max_context, device, self.mtp is not None)
         if self.mtp:
-            self.mtp.cache = LayerCache.new(c, 0, slots, max_context, device)
+            self.mtp.cache = mtp_cache
         self.free_slots = list(range(slots - 1, 0, -1))
         self.buckets = [b for b in BUCKETS if b < rows] + [rows]
         self.dev_in = torch.zeros((3, rows), dtype=torch.int64, device=device)  # ids, slots, positions
