@@ -160,6 +160,11 @@ async def serve(args: argparse.Namespace) -> int:
             check_tp(config, len(gpus))
         except ValueError as exc:
             raise SystemExit(f"dsuf: {exc}") from None
+        import torch
+
+        if max(gpus) >= (visible := torch.cuda.device_count()):  # (makes no CUDA context here)
+            why = f"{visible} GPU{'s' if visible != 1 else ''}" if visible else "no GPU (no driver, a CPU build of torch, or CUDA_VISIBLE_DEVICES hides them)"
+            raise SystemExit(f"dsuf: --gpus {args.gpus} names GPU {max(gpus)}, but torch sees {why} here")
         max_len = args.max_model_len or min(config.max_seq_len, GPU_DEFAULT_CONTEXT)
         log.info("GPU path on cuda:%s (each worker compiles its kernels, cached on disk, and captures its first CUDA graph before it is ready)",
                  ",".join(map(str, gpus)))

@@ -92,6 +92,8 @@ def test_missing_checkpoint_and_bad_override_are_reported_plainly(tmp_path):
         (["--random-weights", "config.json"], "--random-weights runs on the GPU path: add --gpus"),
         (["--gpus", "0", "--random-weights", "config.json", "--ckpt", "x"], "not both"),
         (["--gpus", "0", "--random-weights", "nowhere.json"], "--random-weights nowhere.json"),
+        pytest.param(["--gpus", "0", "--random-weights", "v4-flash.json"], "dsuf: --gpus 0 names GPU 0, but torch sees no GPU (",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
         (["--device", "tpu"], "unknown --device"),
         (["--gpus", "0"], "the GPU path runs V4-Flash's layer shapes; "),  # the embedded tiny model's are smaller
         (["--max-model-len", "2000000"], "--max-model-len 2000000 exceeds dsuf-tiny-v4-seed0's context of 1048576 tokens"),
