@@ -200,7 +200,7 @@ def test_healthz_and_models(server, client):
         body = json.loads(raw)
         assert status == 200 and body["object"] == "list", body
         assert {"deepseek-v4-flash", "deepseek-chat"} <= {m["id"] for m in body["data"]}
-        assert all(m["object"] == "model" for m in body["data"])
+        assert all(m["object"] == "model" and m["max_model_len"] == CONTEXT for m in body["data"])
 
 
 def test_a_huge_prompt_being_tokenized_does_not_hold_up_other_requests(server):

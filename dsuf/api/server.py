@@ -198,7 +198,9 @@ async def _complete(prepared: PreparedChat, req: Request, stream, engine: Engine
 
 async def list_models(request: web.Request) -> web.Response:
     created = int(time.time())
-    data = [{"id": name, "object": "model", "created": created, "owned_by": "dsuf"} for name in request.app[CHAT].models()]
+    chat = request.app[CHAT]
+    # max_model_len as vLLM reports it: clients size their prompts by it
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "dsuf", "max_model_len": chat.context_limit} for name in chat.models()]
     return web.json_response({"object": "list", "data": data})
 
 
