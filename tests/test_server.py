@@ -482,13 +482,13 @@ def test_a_client_gone_as_its_response_starts_is_not_an_error(caplog):
     request quietly: no 500, no "Error handling request" traceback in the server's log."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from dsuf.api.server import errors_as_openai_bodies
+    from dsuf.api.server import errors_as_api_bodies
 
     async def gone(request):
         raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
 
     async def main() -> int:
-        app = aiohttp.web.Application(middlewares=[errors_as_openai_bodies])
+        app = aiohttp.web.Application(middlewares=[errors_as_api_bodies])
         app.router.add_post("/v1/chat/completions", gone)
         async with TestClient(TestServer(app)) as client:
             return (await client.post("/v1/chat/completions", json={})).status

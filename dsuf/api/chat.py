@@ -1,7 +1,10 @@
-"""OpenAI chat-completions requests in, engine work and chat.completion.chunk JSON out.
+"""OpenAI chat-completions (and Anthropic messages) requests in, engine work and the API's JSON
+chunks out.
 
 Everything about DeepSeek's wire and prompt formats is delegated to `deepseek-recipe`, DeepSeek's own
-converter, renderer and stream parser, so the server never re-implements them:
+converter, renderer and stream parser, so the server never re-implements them. A `Protocol` names
+the recipe's request and response types of one API (`CHAT_COMPLETIONS`, `MESSAGES`) and how its
+events, usage and errors are written; the rest is the same for both:
 
 * `ChatFrontend.prepare` validates and converts the request body (`ChatCompletionRequest.convert`),
   renders and encodes the V4 prompt (`DeepseekV4Encoding.encode`, which never lets user text turn
@@ -35,7 +38,7 @@ from typing import Any
 
 import deepseek_recipe as dr
 
-__all__ = ["ChatError", "ChatFrontend", "ChatStream", "ModelInfo", "PreparedChat", "SSE_DONE", "MODEL_ALIASES"]
+__all__ = ["CHAT_COMPLETIONS", "MESSAGES", "ChatError", "ChatFrontend", "ChatStream", "ModelInfo", "PreparedChat", "Protocol", "SSE_DONE", "MODEL_ALIASES"]
 
 # Names accepted besides the checkpoint's own: dsh's default, DeepSeek's current and legacy public names.
 MODEL_ALIASES = ("deepseek-v4-flash", "deepseek-v4.1-flash", "deepseek-flash", "deepseek-chat", "deepseek-reasoner")
@@ -59,6 +62,50 @@ _END_THINK = "</think>"
 
 # The data of the last SSE message of a chat-completions stream ("[DONE]").
 SSE_DONE: str = dr.ChatCompletionResponse.sse_done_data() or "[DONE]"
+
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """An API whose requests the recipe converts and whose answers it writes: its request and
+    response types there, its ids, how its SSE events are framed, its usage and error bodies."""
+
+    name: str
+    request: Any  # dr.ChatCompletionRequest | dr.MessagesRequest
+    response: Any  # dr.ChatCompletionResponse | dr.MessagesResponse
+    id_prefix: str
+    named_events: bool  # SSE events carry `event: <type>` (Anthropic) or only data (OpenAI)
+    done: str | None  # the data of the stream's last event, if it has one
+
+    def sse(self, data: str) -> str:
+        """One SSE event of a JSON chunk."""
+        if self.named_events:  # Anthropic names each event after its data's type
+            return f"event: {json.loads(data)['type']}\ndata: {data}\n\n"
+        return f"data: {data}\n\n"
+
+    def error_body(self, status: int, message: str, type_: str | None = None, code: str | None = None, param: str | None = None) -> dict:
+        if self is MESSAGES:
+            return {"type": "error", "error": {"type": _ANTHROPIC_ERRORS.get(status, "api_error" if status >= 500 else "invalid_request_error"),
+                                               "message": message}}
+        type_ = type_ or ("invalid_request_error" if status < 500 else "server_error")
+        return {"error": {"message": message, "type": type_, "param": param, "code": code or type_}}
+
+    def count_usage(self, usage: dict, generated: int, reasoning: int) -> None:
+        """Put the generated-token counts into a usage object of this protocol."""
+        if self is MESSAGES:
+            usage["output_tokens"] = generated
+            return
+        usage["completion_tokens"] = generated
+        usage["total_tokens"] = usage["prompt_tokens"] + generated
+        if usage.get("completion_tokens_details"):
+            usage["completion_tokens_details"]["reasoning_tokens"] = reasoning
+
+
+CHAT_COMPLETIONS = Protocol("chat.completions", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-", False, SSE_DONE)
+MESSAGES = Protocol("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_", True, None)  # Anthropic's Messages API
 
 
 class ChatError(Exception):
@@ -97,9 +144,10 @@ class ChatError(Exception):
         except (ValueError, TypeError, KeyError, AttributeError):
             return cls(status if isinstance(status, int) else 400, str(exc))
 
-    def body(self) -> dict:
-        """The JSON error body clients expect: {"error": {"message", "type", "param", "code"}}."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def body(self, protocol: Protocol = CHAT_COMPLETIONS) -> dict:
+        """The JSON error body clients expect: {"error": {"message", "type", "param", "code"}}
+        (or the protocol's own shape)."""
+        return protocol.error_body(self.status, self.message, self.type, self.code, self.param)
 
 
 @dataclass(frozen=True)
@@ -134,17 +182,18 @@ class PreparedChat:
     top_k: int = 0  # 0: off; ignored in thinking mode like the other sampling knobs
     conversation: str | None = None  # prompt_cache_key: names the conversation for the cache
     created: int = 0
+    protocol: Protocol = CHAT_COMPLETIONS
     _conversion: Any = field(default=None, repr=False, compare=False)
     _tokenizer: Any = field(default=None, repr=False, compare=False)
 
     def new_stream(self) -> ChatStream:
         """A fresh recipe parser for this request's output (each call starts from scratch)."""
-        generator = dr.ChatCompletionRequest.chunk_generator(self._conversion, self.request_id, self.model)
+        generator = self.protocol.request.chunk_generator(self._conversion, self.request_id, self.model)
         options = self._conversion.parsing_options
         processor = dr.StreamProcessor(generator, options, self._tokenizer)
         thinking = options.thinking_initial_stage is not None and options.thinking_initial_stage.starts_in_reasoning()
         end_think = self._tokenizer.encode(_END_THINK)
-        return ChatStream(processor, self.request_id, self.model, self.created, thinking, end_think[0])
+        return ChatStream(processor, self.request_id, self.model, self.created, thinking, end_think[0], self.protocol)
 
 
 class ChatStream:
@@ -155,8 +204,10 @@ class ChatStream:
     non-stream answer from the same parse. Protocol: `start`, `push_tokens`…, `finish`, then `close`
     (always, also on errors or disconnects)."""
 
-    def __init__(self, processor: Any, request_id: str, model: str, created: int, thinking: bool = False, end_think_id: int = -1) -> None:
+    def __init__(self, processor: Any, request_id: str, model: str, created: int, thinking: bool = False, end_think_id: int = -1,
+                 protocol: Protocol = CHAT_COMPLETIONS) -> None:
         self._processor = processor
+        self.protocol = protocol
         self._id, self._model, self._created = request_id, model, created
         self._response: Any = None
         self._closed = False
@@ -179,18 +230,15 @@ class ChatStream:
         if '"usage":{' not in text:
             return text
         obj = json.loads(text)
-        usage = obj["usage"]
-        usage["completion_tokens"] = self.completion_tokens
-        usage["total_tokens"] = usage["prompt_tokens"] + self.completion_tokens
-        if usage.get("completion_tokens_details"):
-            usage["completion_tokens_details"]["reasoning_tokens"] = self.reasoning_tokens
+        usage = obj.get("usage") or obj["message"]["usage"]  # (Anthropic's message_start nests it)
+        self.protocol.count_usage(usage, self.completion_tokens, self.reasoning_tokens)
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
     def start(self, prompt_tokens: int, cached_tokens: int) -> list[str]:
         """Announce the prompt (its usage feeds the final chunk); yields the role chunk."""
         if self._response is not None:
             raise RuntimeError("ChatStream.start() called twice")
-        self._response = dr.ChatCompletionResponse(self._id, self._model, self._created, prompt_tokens, cached_tokens)
+        self._response = self.protocol.response(self._id, self._model, self._created, prompt_tokens, cached_tokens)
         usage = dr.PromptUsage(prompt_tokens=prompt_tokens, prompt_cache_hit_tokens=cached_tokens)
         return self._emit(self._processor.push(dr.InferenceChunk.ready(prompt_usage=usage)))
 
@@ -304,10 +352,12 @@ class ChatFrontend:
         """The model names requests may use (the served name first)."""
         return list(self._names)
 
-    def prepare(self, body: bytes | str | dict) -> PreparedChat:
-        """Validate, convert, render and encode one request; raises ChatError with the 4xx body."""
+    def prepare(self, body: bytes | str | dict, protocol: Protocol = CHAT_COMPLETIONS) -> PreparedChat:
+        """Validate, convert, render and encode one request of `protocol`; raises ChatError with the 4xx body."""
         req = self._parse_body(body)
         model = req.get("model")
+        if protocol is MESSAGES and isinstance(model, str) and model.startswith("claude"):
+            req["model"] = self.info.served_name  # as DeepSeek's Anthropic API serves claude-* names (the answer echoes the name asked for)
         # Legacy names imply a thinking mode unless the request chooses one (thinking or reasoning_effort).
         if isinstance(model, str) and model in _THINKING_BY_MODEL and req.get("thinking") is None and req.get("reasoning_effort") is None:
             req["thinking"] = {"type": "enabled" if _THINKING_BY_MODEL[model] else "disabled"}
@@ -324,7 +374,7 @@ class ChatFrontend:
             raise ChatError(400, f"top_k must be a non-negative integer (0 disables it), got {top_k!r}", param="top_k")
 
         try:
-            conv = dr.ChatCompletionRequest(req).convert(self._options)
+            conv = protocol.request(req).convert(self._options)
         except dr.ConversionError as exc:
             raise ChatError.from_conversion(exc) from exc
         except (ValueError, TypeError, OverflowError) as exc:  # serde errors: wrong types, unknown roles/parts, huge ints
@@ -343,7 +393,7 @@ class ChatFrontend:
         stream_options = req.get("stream_options")
         include_usage = stream and isinstance(stream_options, dict) and stream_options.get("include_usage") is True
         return PreparedChat(
-            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+            request_id=f"{protocol.id_prefix}{uuid.uuid4().hex}",
             model=str(model),
             prompt_ids=prompt_ids,
             max_tokens=max_tokens,
@@ -364,6 +414,7 @@ class ChatFrontend:
             top_k=0 if thinking else (top_k or 0),
             conversation=cache_key,
             created=int(time.time()),
+            protocol=protocol,
             _conversion=conv,
             _tokenizer=self._tokenizer,
         )

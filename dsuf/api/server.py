@@ -1,8 +1,9 @@
-"""The HTTP front end: OpenAI chat completions (streaming and not), models, health, metrics.
+"""The HTTP front end: OpenAI chat completions and Anthropic messages (streaming and not),
+models, health, metrics.
 
 Requests are converted, rendered and parsed by deepseek-recipe (`dsuf.api.chat`); generation
-happens in the engine. Every failure a client can cause gets an OpenAI error body with the right
-status, and a client that goes away frees its batch slot at once.
+happens in the engine. Every failure a client can cause gets an error body of its API with the
+right status, and a client that goes away frees its batch slot at once.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from dsuf.api.chat import CONVERSATION_NAME_MAX, SSE_DONE, ChatError, ChatFrontend, PreparedChat
+from dsuf.api.chat import CHAT_COMPLETIONS, CONVERSATION_NAME_MAX, MESSAGES, ChatError, ChatFrontend, PreparedChat, Protocol
 from dsuf.api.metrics import Metrics
 from dsuf.engine.engine import Engine, WorkerGone
 from dsuf.engine.scheduler import ErrorEvent, FinishEvent, QueueFull, Request, TokenEvent
@@ -38,21 +39,26 @@ class ServerState:
     cache: ConversationCache | None = None  # conversation caches, when the server keeps them
 
 
-def error_response(status: int, message: str, type_: str | None = None, code: str | None = None, param: str | None = None, headers: dict | None = None) -> web.Response:
-    type_ = type_ or ("invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code or type_}}
-    return web.json_response(body, status=status, headers=headers)
+def error_response(status: int, message: str, type_: str | None = None, code: str | None = None, param: str | None = None,
+                   headers: dict | None = None, protocol: Protocol = CHAT_COMPLETIONS) -> web.Response:
+    return web.json_response(protocol.error_body(status, message, type_, code, param), status=status, headers=headers)
+
+
+def protocol_of(request: web.Request) -> Protocol:
+    """The API a path belongs to, for the shape of its error bodies."""
+    return MESSAGES if request.path.rstrip("/").endswith(("/messages", "/messages/count_tokens")) else CHAT_COMPLETIONS
 
 
 @web.middleware
-async def errors_as_openai_bodies(request: web.Request, handler):
+async def errors_as_api_bodies(request: web.Request, handler):
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         reason = {413: "request body too large", 404: "no such route", 405: "method not allowed"}.get(exc.status, exc.reason)
-        return error_response(exc.status, f"{reason}: {request.method} {request.path}" if exc.status in (404, 405) else reason)
+        message = f"{reason}: {request.method} {request.path}" if exc.status in (404, 405) else reason
+        return error_response(exc.status, message, protocol=protocol_of(request))
     except asyncio.CancelledError:
         raise
     except ConnectionResetError:  # the client went away (e.g. as its stream started): no one to answer, nothing to log
@@ -60,15 +66,16 @@ async def errors_as_openai_bodies(request: web.Request, handler):
         return web.Response(status=499)  # (nginx's "client closed request", for the access log; never sent)
     except Exception:  # a bug must cost one request a 500, never the server or an HTML page
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(500, "internal server error", code="internal_error")
+        return error_response(500, "internal server error", code="internal_error", protocol=protocol_of(request))
 
 
 @web.middleware
-async def bearer_auth(request: web.Request, handler):
+async def api_key_auth(request: web.Request, handler):
     key = request.app[STATE].api_key
     if key and request.path not in ("/readyz", "/healthz", "/metrics"):
-        if request.headers.get("Authorization", "") != f"Bearer {key}":
-            return error_response(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
+        bearer = request.headers.get("Authorization")  # (Anthropic clients send x-api-key; a bearer token wins, as at DeepSeek)
+        if (bearer != f"Bearer {key}") if bearer is not None else request.headers.get("x-api-key") != key:
+            return error_response(401, "invalid or missing API key", "authentication_error", "invalid_api_key", protocol=protocol_of(request))
     return await handler(request)
 
 
@@ -88,24 +95,50 @@ def sampling_params(p: PreparedChat) -> SamplingParams:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, CHAT_COMPLETIONS)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, MESSAGES)
+
+
+async def count_message_tokens(request: web.Request) -> web.Response:
+    """Anthropic's /v1/messages/count_tokens: the prompt's length, as the model would see it."""
+    try:
+        body = json.loads(await request.read())
+        if isinstance(body, dict):
+            body = {**body, "max_tokens": 1}  # (not part of a count request; the conversion wants one)
+        prepared = await asyncio.to_thread(request.app[CHAT].prepare, body, MESSAGES)
+    except ChatError as exc:
+        return web.json_response(exc.body(MESSAGES), status=exc.status)
+    except ValueError as exc:
+        return error_response(400, f"invalid JSON request body: {exc}", protocol=MESSAGES)
+    return web.json_response({"input_tokens": len(prepared.prompt_ids)})
+
+
+async def _completion(request: web.Request, protocol: Protocol) -> web.StreamResponse:
     state, engine, chat, metrics = request.app[STATE], request.app[ENGINE], request.app[CHAT], request.app[METRICS]
+
+    def fail(status: int, message: str, *args, **kw) -> web.Response:
+        return error_response(status, message, *args, protocol=protocol, **kw)
+
     if state.draining:
-        return error_response(503, "the server is shutting down", code="server_shutting_down")
+        return fail(503, "the server is shutting down", code="server_shutting_down")
     if not engine.ready.is_set():
-        return error_response(503, engine.unavailable, code="model_not_ready", headers={"Retry-After": "5"})
+        return fail(503, engine.unavailable, code="model_not_ready", headers={"Retry-After": "5"})
     header = request.headers.get("X-Conversation-Id")  # (checked before the prompt is encoded)
     if header is not None and len(header) > CONVERSATION_NAME_MAX:
-        return error_response(400, f"X-Conversation-Id must be 1 to {CONVERSATION_NAME_MAX} characters", param="X-Conversation-Id")
+        return fail(400, f"X-Conversation-Id must be 1 to {CONVERSATION_NAME_MAX} characters", param="X-Conversation-Id")
     body = await request.read()
     try:
         # Off the event loop: the recipe's encoder releases the GIL, and a long prompt takes it
         # long (a million tokens ~1.5 s), during which the other streams would stall.
-        prepared = await asyncio.to_thread(chat.prepare, body)
+        prepared = await asyncio.to_thread(chat.prepare, body, protocol)
         params = sampling_params(prepared)
     except ChatError as exc:
-        return web.json_response(exc.body(), status=exc.status)
+        return web.json_response(exc.body(protocol), status=exc.status)
     except ValueError as exc:
-        return error_response(400, str(exc))
+        return fail(400, str(exc))
     req = Request(prepared.prompt_ids, params, prepared.max_tokens)
     conversation = prepared.conversation or header or None
     if state.cache is not None:
@@ -119,8 +152,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except (QueueFull, WorkerGone) as exc:
         req.unpin()
         if isinstance(exc, QueueFull):
-            return error_response(429, f"too many requests waiting ({exc}); retry shortly", "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": "1"})
-        return error_response(503, str(exc), code="model_not_ready")
+            return fail(429, f"too many requests waiting ({exc}); retry shortly", "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": "1"})
+        return fail(503, str(exc), code="model_not_ready")
     metrics.prompt_tokens.inc(len(prepared.prompt_ids))
     stream = prepared.new_stream()
     state.open_streams += 1
@@ -135,7 +168,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(req: Request, stream, engine: Engine, metrics: Metrics, emit):
-    """Pump engine events through the recipe parser; `emit(chunks)` gets chat.completion.chunk JSON.
+    """Pump engine events through the recipe parser; `emit(chunks)` gets the protocol's JSON chunks.
 
     The stream starts (role chunk, prompt usage) with the first event, once the worker has
     accepted or refused the request's cached prefix, so prompt_cache_hit_tokens is what was reused."""
@@ -173,15 +206,17 @@ async def _stream(request: web.Request, prepared: PreparedChat, req: Request, st
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": prepared.request_id})
     await resp.prepare(request)
 
+    protocol = prepared.protocol
+
     async def emit(chunks: list[str]) -> None:
         if chunks:
-            await resp.write("".join(f"data: {c}\n\n" for c in chunks).encode())
+            await resp.write("".join(map(protocol.sse, chunks)).encode())
 
     error = await _generate(req, stream, engine, metrics, emit)
     if error is not None:
-        body = {"error": {"message": error.message, "type": "server_error", "param": None, "code": "server_error"}}
-        await resp.write(f"data: {json.dumps(body)}\n\n".encode())
-    await resp.write(f"data: {SSE_DONE}\n\n".encode())
+        await resp.write(protocol.sse(json.dumps(protocol.error_body(error.status, error.message))).encode())
+    if protocol.done is not None:
+        await resp.write(f"data: {protocol.done}\n\n".encode())
     await resp.write_eof()
     return resp
 
@@ -192,7 +227,7 @@ async def _complete(prepared: PreparedChat, req: Request, stream, engine: Engine
 
     error = await _generate(req, stream, engine, metrics, emit)
     if error is not None:
-        return error_response(error.status, error.message)
+        return error_response(error.status, error.message, protocol=prepared.protocol)
     return web.Response(text=stream.response_json(), content_type="application/json", headers={"X-Request-Id": prepared.request_id})
 
 
@@ -248,7 +283,7 @@ async def log_stats(engine: Engine, metrics: Metrics, interval: float) -> None:
 
 
 def create_app(engine: Engine, chat: ChatFrontend, state: ServerState, max_body: int = 16 << 20, stats_interval: float = 0) -> web.Application:
-    app = web.Application(client_max_size=max_body, middlewares=[errors_as_openai_bodies, bearer_auth])
+    app = web.Application(client_max_size=max_body, middlewares=[errors_as_api_bodies, api_key_auth])
     metrics = Metrics()
     app[ENGINE], app[CHAT], app[STATE], app[METRICS] = engine, chat, state, metrics
     if stats_interval:
@@ -268,6 +303,9 @@ def create_app(engine: Engine, chat: ChatFrontend, state: ServerState, max_body:
     for prefix in ("/v1", ""):
         app.router.add_post(f"{prefix}/chat/completions", chat_completions)
         app.router.add_get(f"{prefix}/models", list_models)
+    for prefix in ("/v1", "/anthropic/v1", "/anthropic"):  # (DeepSeek's base URL for Anthropic clients is …/anthropic)
+        app.router.add_post(f"{prefix}/messages", messages)
+        app.router.add_post(f"{prefix}/messages/count_tokens", count_message_tokens)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics_route)
