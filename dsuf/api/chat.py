@@ -1,9 +1,9 @@
-"""OpenAI chat-completions (and Anthropic messages) requests in, engine work and the API's JSON
-chunks out.
+"""OpenAI chat-completions (and responses, and Anthropic messages) requests in, engine work and the
+API's JSON chunks out.
 
 Everything about DeepSeek's wire and prompt formats is delegated to `deepseek-recipe`, DeepSeek's own
 converter, renderer and stream parser, so the server never re-implements them. A `Protocol` names
-the recipe's request and response types of one API (`CHAT_COMPLETIONS`, `MESSAGES`) and how its
+the recipe's request and response types of one API (`CHAT_COMPLETIONS`, `RESPONSES`, `MESSAGES`) and how its
 events, usage and errors are written; the rest is the same for both:
 
 * `ChatFrontend.prepare` validates and converts the request body (`ChatCompletionRequest.convert`),
@@ -32,13 +32,14 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import deepseek_recipe as dr
 
-__all__ = ["CHAT_COMPLETIONS", "MESSAGES", "ChatError", "ChatFrontend", "ChatStream", "ModelInfo", "PreparedChat", "Protocol", "SSE_DONE", "MODEL_ALIASES"]
+__all__ = ["CHAT_COMPLETIONS", "MESSAGES", "RESPONSES", "ChatError", "ChatFrontend", "ChatStream", "ModelInfo", "PreparedChat", "Protocol", "SSE_DONE", "MODEL_ALIASES"]
 
 # Names accepted besides the checkpoint's own: dsh's default, DeepSeek's current and legacy public names.
 MODEL_ALIASES = ("deepseek-v4-flash", "deepseek-v4.1-flash", "deepseek-flash", "deepseek-chat", "deepseek-reasoner")
@@ -74,15 +75,15 @@ class Protocol:
     response types there, its ids, how its SSE events are framed, its usage and error bodies."""
 
     name: str
-    request: Any  # dr.ChatCompletionRequest | dr.MessagesRequest
-    response: Any  # dr.ChatCompletionResponse | dr.MessagesResponse
+    request: Any  # dr.ChatCompletionRequest | dr.MessagesRequest | dr.ResponsesRequest
+    response: Any  # dr.ChatCompletionResponse | dr.MessagesResponse | dr.ResponsesResponse
     id_prefix: str
-    named_events: bool  # SSE events carry `event: <type>` (Anthropic) or only data (OpenAI)
+    named_events: bool  # SSE events carry `event: <type>` (Anthropic, Responses) or only data (chat completions)
     done: str | None  # the data of the stream's last event, if it has one
 
     def sse(self, data: str) -> str:
         """One SSE event of a JSON chunk."""
-        if self.named_events:  # Anthropic names each event after its data's type
+        if self.named_events:  # each event is named after its data's type
             return f"event: {json.loads(data)['type']}\ndata: {data}\n\n"
         return f"data: {data}\n\n"
 
@@ -93,19 +94,46 @@ class Protocol:
         type_ = type_ or ("invalid_request_error" if status < 500 else "server_error")
         return {"error": {"message": message, "type": type_, "param": param, "code": code or type_}}
 
+    def stream_error(self, status: int, message: str) -> dict:
+        """The event that ends a stream cut by a server-side failure."""
+        if self is RESPONSES:
+            return {"type": "error", "code": "server_error", "message": message, "param": None}
+        return self.error_body(status, message)
+
     def count_usage(self, usage: dict, generated: int, reasoning: int) -> None:
         """Put the generated-token counts into a usage object of this protocol."""
         if self is MESSAGES:
             usage["output_tokens"] = generated
             return
-        usage["completion_tokens"] = generated
-        usage["total_tokens"] = usage["prompt_tokens"] + generated
-        if usage.get("completion_tokens_details"):
-            usage["completion_tokens_details"]["reasoning_tokens"] = reasoning
+        prompt, out, details = ("input_tokens", "output_tokens", "output_tokens_details") if self is RESPONSES else \
+            ("prompt_tokens", "completion_tokens", "completion_tokens_details")
+        usage[out] = generated
+        usage["total_tokens"] = usage[prompt] + generated
+        if usage.get(details):
+            usage[details]["reasoning_tokens"] = reasoning
+
+    def imply_thinking(self, req: dict, on: bool) -> None:
+        """A legacy model name's thinking mode, unless the request chooses one itself (chat:
+        thinking or reasoning_effort; messages: thinking; responses: reasoning.effort)."""
+        if self is RESPONSES:
+            reasoning = req.get("reasoning")
+            if not on and (reasoning is None or isinstance(reasoning, dict) and reasoning.get("effort") is None):
+                req["reasoning"] = {**(reasoning or {}), "effort": "none"}  # (thinking is its default)
+        elif req.get("thinking") is None and req.get("reasoning_effort") is None:
+            req["thinking"] = {"type": "enabled" if on else "disabled"}
+
+    def settings(self, request: Any, options: Any) -> Callable[[Any], Any]:
+        """What the request's chunk generator must be told that conversion consumes (Responses:
+        the settings a response echoes, the namespace tools' names), as a change to the generator."""
+        if self is not RESPONSES:
+            return lambda generator: generator
+        echo, tools = request.echo(), request.namespace_tool_map(options)
+        return lambda generator: generator.with_echo(echo).with_namespace_tool_map(tools)
 
 
 CHAT_COMPLETIONS = Protocol("chat.completions", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-", False, SSE_DONE)
 MESSAGES = Protocol("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_", True, None)  # Anthropic's Messages API
+RESPONSES = Protocol("responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_", True, None)  # OpenAI's Responses API
 
 
 class ChatError(Exception):
@@ -184,11 +212,12 @@ class PreparedChat:
     created: int = 0
     protocol: Protocol = CHAT_COMPLETIONS
     _conversion: Any = field(default=None, repr=False, compare=False)
+    _settings: Callable[[Any], Any] = field(default=lambda generator: generator, repr=False, compare=False)
     _tokenizer: Any = field(default=None, repr=False, compare=False)
 
     def new_stream(self) -> ChatStream:
         """A fresh recipe parser for this request's output (each call starts from scratch)."""
-        generator = self.protocol.request.chunk_generator(self._conversion, self.request_id, self.model)
+        generator = self._settings(self.protocol.request.chunk_generator(self._conversion, self.request_id, self.model))
         options = self._conversion.parsing_options
         processor = dr.StreamProcessor(generator, options, self._tokenizer)
         thinking = options.thinking_initial_stage is not None and options.thinking_initial_stage.starts_in_reasoning()
@@ -230,7 +259,7 @@ class ChatStream:
         if '"usage":{' not in text:
             return text
         obj = json.loads(text)
-        usage = obj.get("usage") or obj["message"]["usage"]  # (Anthropic's message_start nests it)
+        usage = obj.get("usage") or (obj.get("message") or obj["response"])["usage"]  # (nested in message_start, response.*)
         self.protocol.count_usage(usage, self.completion_tokens, self.reasoning_tokens)
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
@@ -358,9 +387,8 @@ class ChatFrontend:
         model = req.get("model")
         if protocol is MESSAGES and isinstance(model, str) and model.startswith("claude"):
             req["model"] = self.info.served_name  # as DeepSeek's Anthropic API serves claude-* names (the answer echoes the name asked for)
-        # Legacy names imply a thinking mode unless the request chooses one (thinking or reasoning_effort).
-        if isinstance(model, str) and model in _THINKING_BY_MODEL and req.get("thinking") is None and req.get("reasoning_effort") is None:
-            req["thinking"] = {"type": "enabled" if _THINKING_BY_MODEL[model] else "disabled"}
+        if isinstance(model, str) and model in _THINKING_BY_MODEL:
+            protocol.imply_thinking(req, _THINKING_BY_MODEL[model])
         # The recipe ignores max_completion_tokens (the newer OpenAI spelling).
         if req.get("max_tokens") is None and req.get("max_completion_tokens") is not None:
             req["max_tokens"] = req["max_completion_tokens"]
@@ -374,7 +402,9 @@ class ChatFrontend:
             raise ChatError(400, f"top_k must be a non-negative integer (0 disables it), got {top_k!r}", param="top_k")
 
         try:
-            conv = protocol.request(req).convert(self._options)
+            request = protocol.request(req)
+            settings = protocol.settings(request, self._options)
+            conv = request.convert(self._options)
         except dr.ConversionError as exc:
             raise ChatError.from_conversion(exc) from exc
         except (ValueError, TypeError, OverflowError) as exc:  # serde errors: wrong types, unknown roles/parts, huge ints
@@ -416,6 +446,7 @@ class ChatFrontend:
             created=int(time.time()),
             protocol=protocol,
             _conversion=conv,
+            _settings=settings,
             _tokenizer=self._tokenizer,
         )
 

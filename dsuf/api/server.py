@@ -1,5 +1,5 @@
-"""The HTTP front end: OpenAI chat completions and Anthropic messages (streaming and not),
-models, health, metrics.
+"""The HTTP front end: OpenAI chat completions and responses, Anthropic messages (streaming and
+not), models, health, metrics.
 
 Requests are converted, rendered and parsed by deepseek-recipe (`dsuf.api.chat`); generation
 happens in the engine. Every failure a client can cause gets an error body of its API with the
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from dsuf.api.chat import CHAT_COMPLETIONS, CONVERSATION_NAME_MAX, MESSAGES, ChatError, ChatFrontend, PreparedChat, Protocol
+from dsuf.api.chat import CHAT_COMPLETIONS, CONVERSATION_NAME_MAX, MESSAGES, RESPONSES, ChatError, ChatFrontend, PreparedChat, Protocol
 from dsuf.api.metrics import Metrics
 from dsuf.engine.engine import Engine, WorkerGone
 from dsuf.engine.scheduler import ErrorEvent, FinishEvent, QueueFull, Request, TokenEvent
@@ -100,6 +100,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     return await _completion(request, MESSAGES)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, RESPONSES)
 
 
 async def count_message_tokens(request: web.Request) -> web.Response:
@@ -214,7 +218,7 @@ async def _stream(request: web.Request, prepared: PreparedChat, req: Request, st
 
     error = await _generate(req, stream, engine, metrics, emit)
     if error is not None:
-        await resp.write(protocol.sse(json.dumps(protocol.error_body(error.status, error.message))).encode())
+        await resp.write(protocol.sse(json.dumps(protocol.stream_error(error.status, error.message))).encode())
     if protocol.done is not None:
         await resp.write(f"data: {protocol.done}\n\n".encode())
     await resp.write_eof()
@@ -303,6 +307,7 @@ def create_app(engine: Engine, chat: ChatFrontend, state: ServerState, max_body:
     for prefix in ("/v1", ""):
         app.router.add_post(f"{prefix}/chat/completions", chat_completions)
         app.router.add_get(f"{prefix}/models", list_models)
+        app.router.add_post(f"{prefix}/responses", responses)
     for prefix in ("/v1", "/anthropic/v1", "/anthropic"):  # (DeepSeek's base URL for Anthropic clients is …/anthropic)
         app.router.add_post(f"{prefix}/messages", messages)
         app.router.add_post(f"{prefix}/messages/count_tokens", count_message_tokens)
