@@ -69,71 +69,87 @@ _ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 
                      413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
-@dataclass(frozen=True)
 class Protocol:
     """An API whose requests the recipe converts and whose answers it writes: its request and
-    response types there, its ids, how its SSE events are framed, its usage and error bodies."""
+    response types there, its ids, how its SSE events are framed, its usage and error bodies.
+    This one is chat completions; the subclasses are the other APIs."""
 
-    name: str
-    request: Any  # dr.ChatCompletionRequest | dr.MessagesRequest | dr.ResponsesRequest
-    response: Any  # dr.ChatCompletionResponse | dr.MessagesResponse | dr.ResponsesResponse
-    id_prefix: str
-    named_events: bool  # SSE events carry `event: <type>` (Anthropic, Responses) or only data (chat completions)
-    done: str | None  # the data of the stream's last event, if it has one
+    request: Any = dr.ChatCompletionRequest
+    response: Any = dr.ChatCompletionResponse
+    id_prefix = "chatcmpl-"
+    done: str | None = SSE_DONE  # the data of a stream's last event, if it has one
+    usage_keys = ("prompt_tokens", "completion_tokens", "completion_tokens_details")
 
     def sse(self, data: str) -> str:
         """One SSE event of a JSON chunk."""
-        if self.named_events:  # each event is named after its data's type
-            return f"event: {json.loads(data)['type']}\ndata: {data}\n\n"
         return f"data: {data}\n\n"
 
     def error_body(self, status: int, message: str, type_: str | None = None, code: str | None = None, param: str | None = None) -> dict:
-        if self is MESSAGES:
-            return {"type": "error", "error": {"type": _ANTHROPIC_ERRORS.get(status, "api_error" if status >= 500 else "invalid_request_error"),
-                                               "message": message}}
         type_ = type_ or ("invalid_request_error" if status < 500 else "server_error")
         return {"error": {"message": message, "type": type_, "param": param, "code": code or type_}}
 
     def stream_error(self, status: int, message: str) -> dict:
         """The event that ends a stream cut by a server-side failure."""
-        if self is RESPONSES:
-            return {"type": "error", "code": "server_error", "message": message, "param": None}
         return self.error_body(status, message)
 
     def count_usage(self, usage: dict, generated: int, reasoning: int) -> None:
         """Put the generated-token counts into a usage object of this protocol."""
-        if self is MESSAGES:
-            usage["output_tokens"] = generated
-            return
-        prompt, out, details = ("input_tokens", "output_tokens", "output_tokens_details") if self is RESPONSES else \
-            ("prompt_tokens", "completion_tokens", "completion_tokens_details")
+        prompt, out, details = self.usage_keys
         usage[out] = generated
         usage["total_tokens"] = usage[prompt] + generated
         if usage.get(details):
             usage[details]["reasoning_tokens"] = reasoning
 
     def imply_thinking(self, req: dict, on: bool) -> None:
-        """A legacy model name's thinking mode, unless the request chooses one itself (chat:
-        thinking or reasoning_effort; messages: thinking; responses: reasoning.effort)."""
-        if self is RESPONSES:
-            reasoning = req.get("reasoning")
-            if not on and (reasoning is None or isinstance(reasoning, dict) and reasoning.get("effort") is None):
-                req["reasoning"] = {**(reasoning or {}), "effort": "none"}  # (thinking is its default)
-        elif req.get("thinking") is None and req.get("reasoning_effort") is None:
+        """A legacy model name's thinking mode, unless the request chooses one itself."""
+        if req.get("thinking") is None and req.get("reasoning_effort") is None:
             req["thinking"] = {"type": "enabled" if on else "disabled"}
 
     def settings(self, request: Any, options: Any) -> Callable[[Any], Any]:
-        """What the request's chunk generator must be told that conversion consumes (Responses:
-        the settings a response echoes, the namespace tools' names), as a change to the generator."""
-        if self is not RESPONSES:
-            return lambda generator: generator
+        """What the request's chunk generator must be told that conversion consumes, as a change
+        to the generator (nothing here)."""
+        return lambda generator: generator
+
+
+class _NamedEvents(Protocol):
+    def sse(self, data: str) -> str:
+        return f"event: {json.loads(data)['type']}\ndata: {data}\n\n"  # each event is named after its data's type
+
+
+class Responses(_NamedEvents):
+    """OpenAI's Responses API."""
+
+    request, response, id_prefix, done = dr.ResponsesRequest, dr.ResponsesResponse, "resp_", None
+    usage_keys = ("input_tokens", "output_tokens", "output_tokens_details")
+
+    def stream_error(self, status: int, message: str) -> dict:
+        return {"type": "error", "code": "server_error", "message": message, "param": None}
+
+    def imply_thinking(self, req: dict, on: bool) -> None:
+        reasoning = req.get("reasoning")  # (reasoning.effort chooses; thinking is the default)
+        if not on and (reasoning is None or isinstance(reasoning, dict) and reasoning.get("effort") is None):
+            req["reasoning"] = {**(reasoning or {}), "effort": "none"}
+
+    def settings(self, request: Any, options: Any) -> Callable[[Any], Any]:
+        """The settings a response echoes and the namespace tools' names."""
         echo, tools = request.echo(), request.namespace_tool_map(options)
         return lambda generator: generator.with_echo(echo).with_namespace_tool_map(tools)
 
 
-CHAT_COMPLETIONS = Protocol("chat.completions", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-", False, SSE_DONE)
-MESSAGES = Protocol("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_", True, None)  # Anthropic's Messages API
-RESPONSES = Protocol("responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_", True, None)  # OpenAI's Responses API
+class Messages(_NamedEvents):
+    """Anthropic's Messages API."""
+
+    request, response, id_prefix, done = dr.MessagesRequest, dr.MessagesResponse, "msg_", None
+
+    def error_body(self, status: int, message: str, type_: str | None = None, code: str | None = None, param: str | None = None) -> dict:
+        kind = _ANTHROPIC_ERRORS.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def count_usage(self, usage: dict, generated: int, reasoning: int) -> None:
+        usage["output_tokens"] = generated  # (no total, no reasoning count in Anthropic's usage)
+
+
+CHAT_COMPLETIONS, RESPONSES, MESSAGES = Protocol(), Responses(), Messages()
 
 
 class ChatError(Exception):
