@@ -73,3 +73,16 @@ def test_bad_requests_get_openai_error_bodies(server):
     status, _, raw = http("POST", server.url + "/v1/responses", {"model": "gpt-4", "input": "x"})
     error = json.loads(raw)["error"]
     assert status == 400 and error["type"] == "invalid_request_error" and "gpt-4" in error["message"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("previous_response_id", "resp_0123"), ("conversation", "conv_1"), ("prompt", {"id": "pmpt_1"}), ("background", True),
+])
+def test_what_needs_stored_state_is_refused_not_silently_dropped(server, field, value):
+    status, _, raw = http("POST", server.url + "/v1/responses", {"model": "deepseek-chat", "input": "And then?", field: value})
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == field and "not supported" in error["message"]
+
+
+def test_store_is_accepted_and_answered_with_store_false(client):
+    assert client.responses.create(model="deepseek-chat", input="Hi", max_output_tokens=1, store=True).store is False

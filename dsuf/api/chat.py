@@ -100,6 +100,9 @@ class Protocol:
         if usage.get(details):
             usage[details]["reasoning_tokens"] = reasoning
 
+    def check_supported(self, req: dict) -> None:
+        """Refuse (ChatError) what the API offers and this server does not."""
+
     def imply_thinking(self, req: dict, on: bool) -> None:
         """A legacy model name's thinking mode, unless the request chooses one itself."""
         if req.get("thinking") is None and req.get("reasoning_effort") is None:
@@ -124,6 +127,16 @@ class Responses(_NamedEvents):
 
     def stream_error(self, status: int, message: str) -> dict:
         return {"type": "error", "code": "server_error", "message": message, "param": None}
+
+    def check_supported(self, req: dict) -> None:
+        # Nothing is stored here: what refers to stored state would silently lose it. (`store`
+        # itself is accepted and answered with store: false.)
+        for name in ("previous_response_id", "conversation", "prompt"):
+            if req.get(name) is not None:
+                raise ChatError(400, f"{name} is not supported: this server stores no responses, conversations or prompts; "
+                                     "send the whole conversation as input", param=name)
+        if req.get("background"):
+            raise ChatError(400, "background responses are not supported (nothing is stored): send the request without it", param="background")
 
     def imply_thinking(self, req: dict, on: bool) -> None:
         reasoning = req.get("reasoning")  # (reasoning.effort chooses; thinking is the default)
@@ -403,6 +416,7 @@ class ChatFrontend:
         model = req.get("model")
         if protocol is MESSAGES and isinstance(model, str) and model.startswith("claude"):
             req["model"] = self.info.served_name  # as DeepSeek's Anthropic API serves claude-* names (the answer echoes the name asked for)
+        protocol.check_supported(req)
         if isinstance(model, str) and model in _THINKING_BY_MODEL:
             protocol.imply_thinking(req, _THINKING_BY_MODEL[model])
         # The recipe ignores max_completion_tokens (the newer OpenAI spelling).
