@@ -132,6 +132,7 @@ class Engine:
         rendezvous = f"tcp://127.0.0.1:{free_port()}" if ranks > 1 else None
         self._readies.clear()
         self._lost, self._cause = False, None
+        self._tasks = [task for task in self._tasks if not task.done()]  # (earlier workers' supervisors)
         self.workers = [WorkerProcess.create() for _ in range(ranks)]
         for rank, w in enumerate(self.workers):
             w.back.attach_to_loop(loop, lambda messages, rank=rank: self._on_messages(rank, messages))
@@ -315,5 +316,6 @@ class Engine:
             w.close()
         self.restarts += 1
         await self._spawn()
+
 
 __all__ = ["Engine", "EngineConfig", "QueueFull", "WorkerGone"]
