@@ -118,3 +118,12 @@ def test_an_api_key_may_come_as_x_api_key(start_server):
     # a bearer token wins over x-api-key, as at DeepSeek
     assert http("POST", s.url + "/v1/messages", body, headers={"Authorization": "Bearer wrong", "x-api-key": "sekret"})[0] == 401
     assert http("POST", s.url + "/v1/chat/completions", greedy("Hi", 1), headers={"x-api-key": "sekret"})[0] == 200
+
+
+def test_the_next_turn_reads_the_previous_one_from_the_conversation_cache(claude):
+    turn = [{"role": "user", "content": "Name a fruit."}]
+    first = claude.messages.create(model="deepseek-chat", max_tokens=4, messages=turn, extra_body=GREEDY)
+    turn += [{"role": "assistant", "content": first.content[0].text}, {"role": "user", "content": "Another?"}]
+    second = claude.messages.create(model="deepseek-chat", max_tokens=4, messages=turn, extra_body=GREEDY)
+    prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert second.usage.cache_read_input_tokens >= prompt  # the first prompt and its answer, from the snapshot
