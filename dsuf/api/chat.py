@@ -3,8 +3,8 @@ API's JSON chunks out.
 
 Everything about DeepSeek's wire and prompt formats is delegated to `deepseek-recipe`, DeepSeek's own
 converter, renderer and stream parser, so the server never re-implements them. A `Protocol` names
-the recipe's request and response types of one API (`CHAT_COMPLETIONS`, `RESPONSES`, `MESSAGES`) and how its
-events, usage and errors are written; the rest is the same for both:
+the recipe's request and response types of one API (`CHAT_COMPLETIONS`, `RESPONSES`, `MESSAGES`)
+and how its events, usage and errors are written; the rest is the same for all three:
 
 * `ChatFrontend.prepare` validates and converts the request body (`ChatCompletionRequest.convert`),
   renders and encodes the V4 prompt (`DeepseekV4Encoding.encode`, which never lets user text turn
