@@ -103,6 +103,10 @@ class Protocol:
     def check_supported(self, req: dict) -> None:
         """Refuse (ChatError) what the API offers and this server does not."""
 
+    def model_name(self, model: Any, served_name: str) -> Any:
+        """The model name to convert the request with (the answer echoes the one asked for)."""
+        return model
+
     def imply_thinking(self, req: dict, on: bool) -> None:
         """A legacy model name's thinking mode, unless the request chooses one itself."""
         if req.get("thinking") is None and req.get("reasoning_effort") is None:
@@ -116,7 +120,9 @@ class Protocol:
 
 class _NamedEvents(Protocol):
     def sse(self, data: str) -> str:
-        return f"event: {json.loads(data)['type']}\ndata: {data}\n\n"  # each event is named after its data's type
+        # Each event is named after its data's type, which the recipe writes first (parsed only if not).
+        kind = data[9 : data.index('"', 9)] if data.startswith('{"type":"') else json.loads(data)["type"]
+        return f"event: {kind}\ndata: {data}\n\n"
 
 
 class Responses(_NamedEvents):
@@ -160,6 +166,10 @@ class Messages(_NamedEvents):
 
     def count_usage(self, usage: dict, generated: int, reasoning: int) -> None:
         usage["output_tokens"] = generated  # (no total, no reasoning count in Anthropic's usage)
+
+    def model_name(self, model: Any, served_name: str) -> Any:
+        # as DeepSeek's Anthropic API serves claude-* names
+        return served_name if isinstance(model, str) and model.startswith("claude") else model
 
 
 CHAT_COMPLETIONS, RESPONSES, MESSAGES = Protocol(), Responses(), Messages()
@@ -414,8 +424,8 @@ class ChatFrontend:
         """Validate, convert, render and encode one request of `protocol`; raises ChatError with the 4xx body."""
         req = self._parse_body(body)
         model = req.get("model")
-        if protocol is MESSAGES and isinstance(model, str) and model.startswith("claude"):
-            req["model"] = self.info.served_name  # as DeepSeek's Anthropic API serves claude-* names (the answer echoes the name asked for)
+        if "model" in req:
+            req["model"] = protocol.model_name(model, self.info.served_name)
         protocol.check_supported(req)
         if isinstance(model, str) and model in _THINKING_BY_MODEL:
             protocol.imply_thinking(req, _THINKING_BY_MODEL[model])
