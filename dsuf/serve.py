@@ -198,11 +198,12 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    ready = asyncio.create_task(engine.ready.wait())
-    await asyncio.wait([ready, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-    if ready.done():
+    # A first load that fails will fail again: exit at once, so that systemd or Kubernetes see it.
+    waits = [asyncio.create_task(event.wait()) for event in (engine.ready, engine.load_failed, stop)]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    if engine.ready.is_set():
         log.info("ready: serving %s", ", ".join(chat.models()))
-    await stop.wait()
+        await stop.wait()
 
     log.info("draining: no new requests; %d open, waiting up to %.0f s", state.open_streams, args.grace)
     state.draining = True
@@ -218,6 +219,8 @@ async def serve(args: argparse.Namespace) -> int:
         await cache.close()
         cache.store.arena.close()
     log.info("stopped")
+    if engine.failure:
+        raise SystemExit(f"dsuf serve: the model could not load: {engine.failure}")
     return 0
 
 

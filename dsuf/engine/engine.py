@@ -9,8 +9,9 @@ A worker that exits fails every in-flight request with a 503 at once (nothing wa
 the engine reports not ready. Once the workers have loaded, they are all started again after any
 failure (tensor-parallel ranks cannot go on without each other), reloads that fail included, after
 a back-off that grows with repeated crashes; serving resumes with the conversation caches intact:
-they live in the front end's arena. If the first load fails, nothing is restarted: a bad
-checkpoint would fail again.
+they live in the front end's arena. If the first load fails, nothing is restarted (a bad
+checkpoint or a cache that cannot fit would fail again): `load_failed` is set, and `dsuf serve`
+exits with the cause.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class Engine:
         self.info: Ready | None = None
         self.scheduler: Scheduler | None = None
         self.failure: str | None = None  # why the engine can never serve (the workers could not load)
+        self.load_failed = asyncio.Event()  # set with `failure`, once the first load's workers have ended
         self.down: str | None = None  # why it is not serving while its workers restart
         self.restarts = 0  # worker restarts after crashes, since start
         self.on_step: Callable[[StepDone, float], None] | None = None  # (result, round-trip seconds)
@@ -296,6 +298,7 @@ class Engine:
             self.cache.worker_lost()
         if self.info is None:  # the first load failed: loading again would fail again
             self.failure = self.failure or f"the worker process died while loading ({cause})"
+            self.load_failed.set()
             return
         now = time.monotonic()
         self._crashes.append(now)

@@ -72,7 +72,10 @@ def compressor_state(slots: int, ratio: int, width: int, device: torch.device) -
     return torch.zeros(shape, device=device), torch.full(shape, float("-inf"), device=device)
 
 
-PREFILL_CHUNK = 512  # rows of one sequence a step may hold: a prompt chunk reads the MoE weights once
+# Rows of one sequence a step may hold: a prompt chunk reads the MoE weights once. Prompts shorter than
+# this are one step graph; at 2048 rather than 512, prompts of 600-2000 tokens ran 6-95 % faster than on
+# the eager chunk path, whose host launches bind them (BENCHMARKS.md, session 43).
+PREFILL_CHUNK = 2048
 
 
 def ring_size(c: ModelConfig) -> int:

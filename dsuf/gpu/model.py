@@ -61,7 +61,7 @@ def taking_from(tensors: dict[str, torch.Tensor]) -> TensorSource:
 
     return take
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536)
 PREFILL_MIN = PREFILL_CHUNK  # prompts this long are prefilled in large chunks, outside the step graphs (shorter: one step)
 PREFILL_MAX = 8192  # rows of a prefill chunk
 INDEX_SCORE_BYTES = 2 << 30  # a prefill chunk's index scores (float32 [rows, keys]) stay below this
