@@ -19,8 +19,9 @@
 //
 // grid (width / 64, R) in clusters of width / 64 CTAs, one cluster per run of rows (a row, or
 // the rows of one sequence at consecutive positions, taken in order; those that complete no group
-// together); a CTA pools 64 channels: 16 threads of 4 channels times LN slot lanes. CTA 0 of the cluster gathers the pooled
-// bf16 row from its peers' shared memory, normalises, rotates and writes the entry.
+// together); a CTA pools 64 channels: 16 threads of 4 channels times LN slot lanes. CTA 0 of the
+// cluster gathers the pooled bf16 row from its peers' shared memory, normalises, rotates and
+// writes the entry.
 //
 // The kernels NAME_chunk run the groups of many rows in parallel: a prompt chunk's (pos null: rows
 // at positions chunk_first .. chunk_first + chunk_rows - 1 of the sequence whose state is
@@ -111,6 +112,16 @@ DSUF_DEVICE void chunk_slot(const CompressParams& p, const float* st_kv, const f
   }
 }
 
+// Row r at position pos, which completes no group, joins state row `row`: channels col .. col + 3
+// of its kv and score + ape into the state's row CUR + pos % RATIO (of C channels).
+template <int RATIO, int C, int CUR>
+DSUF_DEVICE void join_state(const CompressParams& p, int r, int pos, i64 row, int col) {
+  constexpr int NS = CUR + RATIO;
+  const int at = (CUR + pos % RATIO) * C + col;
+  st4(p.state_kv + row * NS * C + at, ld4(p.kv + r * p.kv_stride + col));
+  st4(p.state_score + row * NS * C + at, add4(ld4(p.score + r * p.score_stride + col), ld4(p.ape + (pos % RATIO) * C + col)));
+}
+
 template <int WIDTH, int RATIO, int LN, bool CHUNK>
 DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
   constexpr bool OVERLAP = RATIO == 4;
@@ -144,11 +155,7 @@ DSUF_DEVICE void compress_row(const CompressParams& p, const int b) {
   const float* ape = p.ape + phase * C;
 
   if (phase != RATIO - 1) {  // no entry completes: the token joins the current group
-    if (s < C / WIDTH) {
-      const int col = s * WIDTH + c;
-      st4(st_kv + (CUR + phase) * C + col, ld4(kv_in + col));
-      st4(st_score + (CUR + phase) * C + col, add4(ld4(score_in + col), ld4(ape + col)));
-    }
+    if (s < C / WIDTH) join_state<RATIO, C, CUR>(p, b, pos, row, s * WIDTH + c);
     return;
   }
 
@@ -340,7 +347,8 @@ DSUF_DEVICE void chunk_state(const CompressParams& p, int b) {
     const int P = base + s * SPT + i;
     write[i] = moved || (P >= 0 && P < n && chunk_has(p, b, at, P));
 #pragma unroll
-    for (int h = 0; h < C / WIDTH && write[i]; ++h) chunk_slot<RATIO, C, CUR>(p, st_kv, st_score, b, at, P < n ? P : -1, h * WIDTH + c, kv[i][h], sc[i][h]);
+    for (int h = 0; h < C / WIDTH && write[i]; ++h)
+      chunk_slot<RATIO, C, CUR>(p, st_kv, st_score, b, at, P < n ? P : -1, h * WIDTH + c, kv[i][h], sc[i][h]);
   }
   __syncthreads();
 #pragma unroll
@@ -359,12 +367,11 @@ DSUF_DEVICE void chunk_state(const CompressParams& p, int b) {
 template <int WIDTH, int RATIO, int LN>
 DSUF_DEVICE void compress_chunk_pass(const CompressParams& p) {
   const int y = blockIdx.y;
-  if (p.chunk_state) {
-    if (!p.pos) {
-      chunk_state<WIDTH, RATIO, LN>(p, p.chunk_rows - 1);
-    } else if (p.pos[y] >= 0 && !(y + 1 < p.chunk_rows && p.pos[y + 1] == p.pos[y] + 1 && chunk_state_row(p, y + 1) == chunk_state_row(p, y))) {
-      chunk_state<WIDTH, RATIO, LN>(p, y);
-    }
+  if (p.chunk_state && !p.pos) {
+    chunk_state<WIDTH, RATIO, LN>(p, p.chunk_rows - 1);
+  } else if (p.chunk_state) {
+    const bool next_is_its = y + 1 < p.chunk_rows && p.pos[y + 1] == p.pos[y] + 1 && chunk_state_row(p, y + 1) == chunk_state_row(p, y);
+    if (p.pos[y] >= 0 && !next_is_its) chunk_state<WIDTH, RATIO, LN>(p, y);
   } else if (!p.pos) {
     compress_row<WIDTH, RATIO, LN, true>(p, RATIO - 1 - p.chunk_first % RATIO + y * RATIO);
   } else if (p.pos[y] % RATIO == RATIO - 1) {  // (padding, p < 0, completes none)
@@ -398,14 +405,8 @@ DSUF_DEVICE void compress_step(const CompressParams& p) {
   const int col = (threadIdx.x % PER_ROW) / 16 * WIDTH + blockIdx.x * CH + 4 * (threadIdx.x & 15);
   for (int b = first; b < end;) {
     const int stop = next_entry_row<RATIO>(p.pos, b, end);
-    for (int r = b + (int)threadIdx.x / PER_ROW; r < stop; r += NT / PER_ROW) {
-      const int phase = p.pos[r] % RATIO;
-      const i64 row = p.state_row ? p.state_row[r] : (i64)r;
-      float* st_kv = p.state_kv + row * (RATIO == 4 ? 2 * RATIO : RATIO) * C;
-      float* st_score = p.state_score + row * (RATIO == 4 ? 2 * RATIO : RATIO) * C;
-      st4(st_kv + (CUR + phase) * C + col, ld4(p.kv + r * p.kv_stride + col));
-      st4(st_score + (CUR + phase) * C + col, add4(ld4(p.score + r * p.score_stride + col), ld4(p.ape + phase * C + col)));
-    }
+    for (int r = b + (int)threadIdx.x / PER_ROW; r < stop; r += NT / PER_ROW)
+      join_state<RATIO, C, CUR>(p, r, p.pos[r], p.state_row ? p.state_row[r] : (i64)r, col);
     if (stop == end) break;
     __syncthreads();  // the group's state rows, written by other threads, before it is pooled
     compress_row<WIDTH, RATIO, LN, false>(p, stop);
