@@ -13,6 +13,7 @@ would share CUDA streams, and a rank's kernel waiting for its peer could hold ba
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import pytest
@@ -254,10 +255,10 @@ def test_the_moe_pushes_its_output_and_the_all_reduce_only_sums_it(cuda, moe_pai
 
 
 SEED, DECODE = 7, 6
-# Prompts: one for the prefill path (dense GEMMs; its rows split over the ranks, NCCL's
-# reduce-scatters and gathers), one short enough for a step graph of more than DENSE_MIN_ROWS rows
-# (dense GEMMs, the grouped MoE, the sums by the IPC all-reduce, the mHC update after it).
-PROMPTS = pytest.mark.parametrize("prompt", [1200, 300], ids=["prefill chunk", "one step of 300 rows"])
+# Prompts: one for the prefill path (PREFILL_MIN tokens or more: dense GEMMs; its rows split over the
+# ranks, NCCL's reduce-scatters and gathers), shorter ones for a step graph of more than DENSE_MIN_ROWS
+# rows (dense GEMMs, the grouped MoE, the sums by the IPC all-reduce, the mHC update after it).
+PROMPTS = pytest.mark.parametrize("prompt", [2500, 1200, 300], ids=["prefill chunk", "one step of 1200 rows", "one step of 300 rows"])
 
 
 def _model_rank(rank: int, init: str, out: Path, tokens: torch.Tensor, prompt: int, shared_gpu: bool = False) -> None:
@@ -386,7 +387,11 @@ def _check_split(c, tokens: torch.Tensor, prompt: int, ranks: list[dict]) -> Non
     errors, noise = [rel(g, w) for g, w in zip(ranks[0]["logits"], want)], [rel(m, w) for m, w in zip(moved, want)]
     print(f"\n  logits rel err, two ranks vs one GPU:       {', '.join(f'{e:.1e}' for e in errors)}")
     print(f"  logits rel err, nudged one GPU vs itself:   {', '.join(f'{e:.1e}' for e in noise)}")
-    assert max(errors) <= max(2 * max(noise), 1e-2)
+    # A random model this small amplifies a rounding into an occasional outlier position (up to ~0.19
+    # in the nudged runs, where most sit at ~0.07): the typical error bounds tightly, the worst loosely.
+    # A wrong split errs by ~1 everywhere.
+    assert statistics.median(errors) <= max(1.5 * statistics.median(noise), 1e-2)
+    assert max(errors) <= max(3 * max(noise), 1e-2)
     state_err, state_noise = state_rel(state_tensors(ranks[0]["state"]), want_state), state_rel(moved_state, want_state)
     print(f"  exported state rel err: two ranks {state_err:.1e}, nudged one GPU {state_noise:.1e}")
     assert state_err <= max(2 * state_noise, 1e-2)
