@@ -38,12 +38,13 @@ DSUF_DEVICE float e2m1_value(u32 code) {
 DSUF_DEVICE u32 fp4_even_code(u32 w, int j) { return ((w >> (4 * j)) & 7) | ((w >> (8 * j + 4)) & 8); }
 DSUF_DEVICE u32 fp4_odd_code(u32 w, int j) { return ((w >> (16 + 4 * j)) & 7) | ((w >> (8 * j)) & 8); }
 
-// Stacked FP4 experts in the MoE kernels' layout (moe.permute_fp4: in each 64-byte chunk of a row,
-// new word 4t + i holds old word 4i + t, its bits placed anew), rows of K/2 bytes, with E8M0 scales [rows, K/32] ->
-// bf16. Row r (expert r / N, row r % N of it) goes to out + (r / N) * out_stride + (r % N) * K, so
-// two experts' matrices can be written side by side (w1 and w3 into one [E, 2N, K] buffer). A
-// thread converts four consecutive words (one 16-byte load), each 8 consecutive elements; the
-// codes' values come from a table in shared memory (the conversion is otherwise ALU-bound).
+// Stacked FP4 experts in the MoE kernels' layout (moe.fp4_kernel_layout: in each 64-byte chunk of a
+// row, new word 4t + i holds old word 4i + t, its bits placed anew; chunk c of rows 128j..128j + 127
+// at (j * K/128 + c) * 8 KB, a row's 64 bytes 64 apart), with E8M0 scales [rows, K/32] -> bf16. Row
+// r (expert r / N, row r % N of it) goes to out + (r / N) * out_stride + (r % N) * K, so two
+// experts' matrices can be written side by side (w1 and w3 into one [E, 2N, K] buffer). A thread
+// converts four consecutive words (one 16-byte load, in the layout's order), each 8 consecutive
+// elements; the codes' values come from a table in shared memory (the conversion is otherwise ALU-bound).
 extern "C" __global__ void __launch_bounds__(256) fp4_weight_bf16(const u8* __restrict__ w, const u8* __restrict__ s,
                                                                   u16* __restrict__ out, i64 rows, int N, int K,
                                                                   i64 out_stride) {
@@ -52,13 +53,13 @@ extern "C" __global__ void __launch_bounds__(256) fp4_weight_bf16(const u8* __re
   if (threadIdx.x < 16) value[threadIdx.x] = e2m1_value(threadIdx.x);
   __syncthreads();
   const i64 quad = (i64)blockIdx.x * 256 + threadIdx.x;
-  const int quads_per_row = K / 32;
-  if (quad >= rows * quads_per_row) return;
-  const i64 r = quad / quads_per_row;
+  if (quad >= rows * (K / 32)) return;
+  const i64 in_tile = quad % (4 * K);  // a tile of 128 rows: K/128 chunks of 512 loads, 4 a row
+  const i64 r = quad / (4 * K) * 128 + ((in_tile & 511) >> 2);
   const uint4 packed = reinterpret_cast<const uint4*>(w)[quad];
   const u8* scales = s + r * (K / 32);
   u16* row_out = out + (r / N) * out_stride + (r % N) * (i64)K;
-  const int first = (int)(quad % quads_per_row) * 4;  // the row's word index of packed.x
+  const int first = (int)(in_tile >> 9) * 16 + (int)(in_tile & 3) * 4;  // the row's word index of packed.x
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const int in_row = first + q, chunk = in_row >> 4, moved = in_row & 15;

@@ -9,7 +9,10 @@
 //        [E, N, K/32]; each 64-byte chunk of a row (128 elements) is pre-permuted by
 //        dsuf.gpu.moe.permute_fp4 so that one 16-byte load gives a lane its words for all four
 //        k-steps of the chunk: new[16t + 4i + b] = old[16i + 4t + b]; the bits of each word are
-//        placed for a cheap conversion to e4m3 (fp4_e4m3: two byte permutes of a table).
+//        placed for a cheap conversion to e4m3 (fp4_e4m3: two byte permutes of a table). The
+//        rows come in tiles of 128 (dsuf.gpu.moe.fp4_kernel_layout): chunk c of a tile's rows is
+//        8 KB at c * 8 KB, a row's 64 bytes at 64 * (row % 128), so a warp's 16 rows of a chunk are
+//        one 1 KB run.
 //
 // mma.m16n8k32 fragments (PTX ISA), lane = 4g + t: A (16x32, row) a0 = row g, k 4t..4t+3;
 // a1 = row g+8, same k; a2/a3 = the same rows at k 16+4t..; B (32x8, col) b0 = column g,
@@ -192,13 +195,16 @@ struct Fp4WStage {
   u32 s[U][2];
 };
 
+#define FP4_TILE_CHUNK_BYTES (128 * 64)  // a 128-row tile's chunk in the kernel layout
+
+// wa: the lane's row g (its 16 bytes of chunk 0); row g + 8 is 8 rows on in the same tile.
 template <int U>
 DSUF_DEVICE void fp4_load_w(Fp4WStage<U>& st, const u8* wa, const u8* sa, int K, int kc, int kc1) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     if (kc + u >= kc1) break;
-    st.w[u][0] = ld_stream(wa + (i64)(kc + u) * 64);
-    st.w[u][1] = ld_stream(wa + 8 * (i64)(K >> 1) + (i64)(kc + u) * 64);
+    st.w[u][0] = ld_stream(wa + (i64)(kc + u) * FP4_TILE_CHUNK_BYTES);
+    st.w[u][1] = ld_stream(wa + 8 * 64 + (i64)(kc + u) * FP4_TILE_CHUNK_BYTES);
     st.s[u][0] = ld_nc4(sa + (kc + u) * 4);
     st.s[u][1] = ld_nc4(sa + 8 * (i64)(K >> 5) + (kc + u) * 4);
   }
@@ -293,8 +299,9 @@ template <int U, bool SINGLE, bool WG, bool EARLY, bool TIGHT>
 DSUF_DEVICE void fp4_tile_s(const GemmParams& p, const u8* w, const u8* ws, int row0, int kc0, int kc1,
                             const int* col_xrow, int cols, void* xs, float* xsc, float acc[4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, K = p.K;
-  const u8* wa = w + (i64)(row0 + g) * (K >> 1) + 16 * (lane & 3);
-  const u8* sa = ws + (i64)(row0 + g) * (K >> 5);
+  const int row = row0 + g;  // (row0: a multiple of 16)
+  const u8* wa = w + (i64)(row >> 7) * 64 * K + (row & 127) * 64 + 16 * (lane & 3);
+  const u8* sa = ws + (i64)row * (K >> 5);
   Fp4WStage<U> a, b;
   fp4_load_w(a, wa, sa, K, kc0, kc1);  // weights in flight while the activations are staged
   if (EARLY) pdl_begin();

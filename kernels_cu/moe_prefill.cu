@@ -18,8 +18,8 @@
 // (m64n64k32, m64n32k32 or m64n16k32 for a tile of at most 64, 32 or 16 pairs). A warpgroup converts a chunk's A, runs its four
 // steps back to back and promotes; ptxas would serialise wgmmas whose A registers other
 // instructions write while they run, so the other warpgroup is what overlaps. A ring of PF_SLOTS
-// slots holds chunks (the B image by a bulk copy, the 128 rows' FP4 weights by a TMA box, PF_SLOTS
-// - 1 chunks ahead), so that no thread waits for global memory once the ring is full; with every
+// slots holds chunks (the B image by a bulk copy, the 128 rows' FP4 weights by another: the kernel
+// layout puts a tile's chunk in one 8 KB run; PF_SLOTS - 1 chunks ahead), so that no thread waits for global memory once the ring is full; with every
 // fourth chunk come the rows' E8M0 scales of that chunk and the next three (a TMA box of 16 bytes
 // a row, the narrowest there is) into PF_SCALE_SLOTS slots of their own.
 //
@@ -47,8 +47,8 @@
 #define PF_THREADS 288                             // 8 warps summing, then the warp that posts the copies
 
 struct PrefillParams {
-  TensorMap w[2];      // FP4 experts [E * N rows, K/2 bytes], kernel layout, boxes of 64 bytes x PF_ROWS
-  TensorMap ws[2];     // their E8M0 scales [E * N rows, K/32 bytes], boxes of 16 bytes x PF_ROWS; mat 1 (if any) writes columns N..2N-1
+  TensorMap ws[2];     // the experts' E8M0 scales [E * N rows, K/32 bytes], boxes of 16 bytes x PF_ROWS; mat 1 (if any) writes columns N..2N-1
+  const u8* w[2];      // FP4 experts [E * N rows, K/2 bytes] in kernel layout: a tile's chunk is PF_A_BYTES at (row / PF_ROWS * K/128 + chunk) * PF_A_BYTES
   const u8* images;    // [tiles, K/128, PF_IMAGE_BYTES] (moe_prefill_images)
   const int* tiles;    // [tiles, 3]: expert, first pair, pairs (1..PF_COLS; 0: no tile, and none after it)
   void* out;           // [P, out_cols], float32 if out_f32 else bf16
@@ -163,7 +163,7 @@ struct PfRing {
     const int image = pf_image_bytes(pf_width(it.cols));
     mbar_expect_bytes(&full[slot], image + PF_A_BYTES + (c % 4 ? 0 : PF_SCALE_BYTES));
     bulk_copy(s, p->images + ((i64)it.tile * KC + c) * PF_IMAGE_BYTES, image, &full[slot]);
-    tma_copy_2d(s + PF_IMAGE_BYTES, &p->w[it.mat], 64 * c, row, &full[slot]);
+    bulk_copy(s + PF_IMAGE_BYTES, p->w[it.mat] + ((i64)(row / PF_ROWS) * KC + c) * PF_A_BYTES, PF_A_BYTES, &full[slot]);
     if (c % 4 == 0) tma_copy_2d(scales + next / 4 % PF_SCALE_SLOTS * PF_SCALE_BYTES, &p->ws[it.mat], 4 * c, row, &full[slot]);
   }
 };

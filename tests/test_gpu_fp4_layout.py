@@ -1,13 +1,14 @@
-"""The routed experts' FP4 kernel layout (`dsuf.gpu.moe.permute_fp4`) and the conversion the MoE
+"""The routed experts' FP4 kernel layout (`dsuf.gpu.moe.permute_fp4`, `fp4_kernel_layout`) and the conversion the MoE
 kernels make of it (kernels_cu/fp4.cuh: `fp4_e4m3`, `fp4_e4m3_table`), specified on the CPU. The
 kernels' byte permutes are emulated here bit for bit (PTX `prmt.b32`), so the layout, the tables
 and the operations are checked together against the e2m1 values they must give."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from dsuf.gpu.moe import permute_fp4
+from dsuf.gpu.moe import fp4_kernel_layout, permute_fp4
 from dsuf.model.quant import E2M1_VALUES
 
 LO, HI = 0x0C080400, 0x1C181410  # fp4_e4m3_unscaled: the decode kernels' table
@@ -82,3 +83,25 @@ def test_every_code_in_every_place_converts_to_its_e2m1_value_times_2_to_the_o_m
                 for half, nibble in ((even, byte & 0xF), (odd, byte >> 4)):
                     want = (E2M1_VALUES[nibble] * 2.0 ** (o - 6)).reshape(1).to(torch.float8_e4m3fn).view(torch.uint8).item()
                     assert (half >> 8 * j) & 0xFF == want, (o, byte, j)
+
+
+def test_a_tiles_chunk_is_one_run_of_its_rows_permuted_chunks():
+    """fp4_kernel_layout: experts stacked [E, N, K/2]; chunk c (bytes 64c..64c + 63 of every row,
+    permuted) of rows 128j..128j + 127 is the 8 KB at (j * K/128 + c) * 8 KB of the matrices'
+    bytes, row 128j + r at 64r in it (the run moe_prefill_fp4 copies; a decode warp's 16 rows are
+    1 KB of it)."""
+    experts, n, k = 2, 384, 1024
+    packed = torch.randint(-128, 128, (experts, n, k // 2), dtype=torch.int8)
+    tiled = fp4_kernel_layout(packed)
+    assert tiled.dtype == torch.uint8 and tiled.shape == packed.shape
+    flat, rows = tiled.reshape(-1), permute_fp4(packed).reshape(experts * n, k // 2)
+    chunks = k // 128
+    for j in range(experts * n // 128):
+        for c in range(chunks):
+            run = flat[(j * chunks + c) * 8192 : (j * chunks + c + 1) * 8192].view(128, 64)
+            assert torch.equal(run, rows[128 * j : 128 * (j + 1), 64 * c : 64 * (c + 1)]), (j, c)
+
+
+def test_the_tiled_layout_needs_whole_tiles_of_rows():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp4_kernel_layout(torch.zeros((2, 192, 512), dtype=torch.int8))

@@ -38,13 +38,13 @@ def fp8_weight_bf16(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp4_weight_bf16(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Stacked FP4 experts in kernel layout (moe.permute_fp4) uint8 [E, N, K/2] with uint8 E8M0
+    """Stacked FP4 experts in kernel layout (moe.fp4_kernel_layout) uint8 [E, N, K/2] with uint8 E8M0
     scales [E, N, K/32] -> bf16 [E, N, K] (exact), written into `out` if given: a [E, N, K] view
     whose experts may lie further apart (e.g. w1 and w3 side by side in one [E, 2N, K] buffer)."""
     e, n, half = w.shape
     k = 2 * half
-    if w.dtype != torch.uint8 or k % 128 or tuple(scale.shape) != (e, n, k // 32) or not w.is_contiguous() or not scale.is_contiguous():
-        raise ValueError(f"fp4_weight_bf16: need contiguous uint8 [E, N, K/2] and scales [E, N, K/32], got {tuple(w.shape)}, {tuple(scale.shape)}")
+    if w.dtype != torch.uint8 or k % 128 or n % 128 or tuple(scale.shape) != (e, n, k // 32) or not w.is_contiguous() or not scale.is_contiguous():
+        raise ValueError(f"fp4_weight_bf16: need contiguous uint8 [E, N, K/2] (N a multiple of 128) and scales [E, N, K/32], got {tuple(w.shape)}, {tuple(scale.shape)}")
     if out is None:
         out = torch.empty((e, n, k), dtype=torch.bfloat16, device=w.device)
     if out.dtype != torch.bfloat16 or tuple(out.shape) != (e, n, k) or out.stride()[1:] != (k, 1):

@@ -76,6 +76,21 @@ def permute_fp4(packed: torch.Tensor) -> torch.Tensor:
     return new.to(torch.uint8).reshape(u.shape)
 
 
+def fp4_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint-layout packed FP4 [..., N, K/2] (N a multiple of CTA_ROWS) as the MoE kernels
+    read it: every chunk permuted (permute_fp4), then each matrix's rows in tiles of CTA_ROWS whose
+    chunks lie one after another: chunk c of tile j, its CTA_ROWS rows' 64 bytes 64 apart, at
+    (j * K/128 + c) * 8 KB. So a kernel's chunk of a tile (moe_prefill_fp4's unit) is one
+    contiguous read, and a warp's 16 rows of a chunk (the decode kernels') one 1 KB run, where rows
+    of K/2 bytes gave 64-byte pieces K/2 apart. The same shape, the bytes in that order."""
+    u = permute_fp4(packed)
+    n, half = u.shape[-2:]
+    if n % CTA_ROWS:
+        raise ValueError(f"fp4_kernel_layout: rows must be a multiple of {CTA_ROWS}, got {n}")
+    tiles = u.reshape(*u.shape[:-2], n // CTA_ROWS, CTA_ROWS, half // 64, 64)
+    return tiles.transpose(-3, -2).contiguous().reshape(u.shape)
+
+
 def chunk_exponents_fit(packed: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether moe_prefill_fp4 sums every 128-element chunk of these FP4 rows (checkpoint layout
     [..., K/2], E8M0 [..., K/32]) exactly in the tensor cores: each 32-element block more than
@@ -92,7 +107,7 @@ def chunk_exponents_fit(packed: torch.Tensor, scales: torch.Tensor) -> bool:
 @dataclass
 class Fp4Experts:
     """Routed experts stacked along dim 0: w1/w3 [E, I, D/2], w2 [E, D, I/2] in kernel layout
-    (permute_fp4), scales [E, rows, K/32] as uint8 E8M0 codes; chunks_fit: whether every
+    (fp4_kernel_layout), scales [E, rows, K/32] as uint8 E8M0 codes; chunks_fit: whether every
     matrix's chunks fit moe_prefill_fp4 (chunk_exponents_fit)."""
 
     w1: torch.Tensor
@@ -116,7 +131,7 @@ class Fp4Experts:
         if i % CTA_ROWS or d % CTA_ROWS:
             raise ValueError(f"Fp4Experts: dims must be multiples of {CTA_ROWS}, got I={i}, D={d}")
         return Fp4Experts(
-            permute_fp4(w1), scale_bytes(s1), permute_fp4(w3), scale_bytes(s3), permute_fp4(w2), scale_bytes(s2),
+            fp4_kernel_layout(w1), scale_bytes(s1), fp4_kernel_layout(w3), scale_bytes(s3), fp4_kernel_layout(w2), scale_bytes(s2),
             all(chunk_exponents_fit(w, s) for w, s in ((w1, s1), (w3, s3), (w2, s2))),
         )
 
@@ -173,8 +188,8 @@ class PrefillParams(ctypes.Structure):
     """Mirror of `struct PrefillParams` in kernels_cu/moe_prefill.cu."""
 
     _fields_ = [
-        ("w", TensorMap * 2),
         ("ws", TensorMap * 2),
+        ("w", ctypes.c_void_p * 2),
         ("images", ctypes.c_void_p),
         ("tiles", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
@@ -185,7 +200,7 @@ class PrefillParams(ctypes.Structure):
         ("out_f32", ctypes.c_int),
         ("mats", ctypes.c_int),
         ("n_tiles", ctypes.c_int),
-        ("_pad", ctypes.c_byte * 8),  # to the C struct's size, a multiple of its 64-byte alignment
+        ("_pad", ctypes.c_byte * 56),  # to the C struct's size, a multiple of its 64-byte alignment
     ]
 
 
@@ -376,7 +391,7 @@ class Moe:
             raise ValueError(f"moe_prefill_fp4: need N % 128 == 0 and K % 512 == 0, got N={n}, K={k}")
         p = PrefillParams()
         for i, (w, ws) in enumerate(mats):
-            p.w[i], p.ws[i] = tensor_map_2d(w, 64, 128), tensor_map_2d(scale_bytes(ws), 16, 128)
+            p.w[i], p.ws[i] = w.data_ptr(), tensor_map_2d(scale_bytes(ws), 16, 128)
         claims.zero_()
         p.images, p.tiles, p.out, p.claims = images.data_ptr(), tiles.data_ptr(), out.data_ptr(), claims.data_ptr()
         p.N, p.K, p.out_cols, p.out_f32 = n, k, out.shape[1], int(out.dtype == torch.float32)

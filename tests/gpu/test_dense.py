@@ -12,7 +12,7 @@ from gpu_checks import random_activations, random_fp4_weight, random_fp8_weight
 
 from dsuf.gpu.dense import act_fake_quant, fp4_weight_bf16, fp8_weight_bf16, swiglu, swiglu_fp8
 from dsuf.gpu.linear import act_quant, scale_bytes
-from dsuf.gpu.moe import permute_fp4
+from dsuf.gpu.moe import fp4_kernel_layout
 from dsuf.model import quant
 from dsuf.model.layers import f64
 
@@ -32,7 +32,7 @@ def test_fp4_experts_copy_is_the_dequantised_weights_side_by_side(cuda):
     w3 = [random_fp4_weight(n, k, cuda) for _ in range(experts)]
     both = torch.full((experts, 2 * n, k), float("nan"), dtype=torch.bfloat16, device=cuda)
     for half, ws in enumerate((w1, w3)):
-        packed = permute_fp4(torch.stack([w for w, _ in ws]))
+        packed = fp4_kernel_layout(torch.stack([w for w, _ in ws]))
         scales = torch.stack([scale_bytes(s) for _, s in ws])
         fp4_weight_bf16(packed, scales, out=both[:, half * n : (half + 1) * n])
         for e, (w, s) in enumerate(ws):

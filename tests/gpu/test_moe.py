@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from gpu_checks import bf16_ulp, compare, random_activations, random_fp4_weight, random_fp8_weight
 
 from dsuf.gpu.linear import act_quant
-from dsuf.gpu.moe import Fp4Experts, Fp8Expert, Moe, permute_fp4
+from dsuf.gpu.moe import Fp4Experts, Fp8Expert, Moe, fp4_kernel_layout
 from dsuf.model import quant
 from dsuf.model.layers import Expert, Linear, MoE, Numerics, f64
 
@@ -227,7 +227,7 @@ def test_prefill_gemm_sums_are_the_products_within_wgmma_precision(cuda, n, k, m
     xq, sx = act_quant(x)
     gate_up = torch.full((pairs, len(mats) * n), float("nan"), dtype=torch.float32, device=cuda)
     tiles = prefill_tiles(torch.tensor(bounds[1:], device=cuda), pairs)
-    Moe.prefill_gemm(tuple((permute_fp4(w), s) for w, s in mats), prefill_images(xq, sx, None, tiles), tiles, gate_up,
+    Moe.prefill_gemm(tuple((fp4_kernel_layout(w), s) for w, s in mats), prefill_images(xq, sx, None, tiles), tiles, gate_up,
                      torch.zeros(1, dtype=torch.int32, device=cuda), ctas)
     xd = (xq.double().view(pairs, k // 128, 128) * sx.double().unsqueeze(-1)).view(pairs, k)
     worst = 0.0
